@@ -1,0 +1,208 @@
+"""Lifecycle events of both halves of a KV hand-off.
+
+Every step of a transfer is one frozen, slotted event.  Each carries the
+transfer's request id (P's request id: D logs the remote request id so the two
+halves join), the stream that wrote it (engine, side, rank), the stream's
+sequence number and the time, which is always an argument: the core never
+reads a clock.
+
+``EVENT_TYPES`` maps each event's wire name to its class; the event log and
+the lifecycle graph both read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from enum import StrEnum
+from typing import ClassVar
+
+
+class Side(StrEnum):
+    P = "P"  # producer: prefill engine, owns the source blocks
+    D = "D"  # consumer: decode engine, READs the blocks
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """Who wrote an event: one engine, one side, one rank."""
+
+    engine: str
+    side: Side
+    rank: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.engine}/{self.side}{self.rank}"
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    request_id: str
+    stream: Stream
+    seq: int
+    t: float
+    kind: ClassVar[str] = "event"
+
+
+# --- producer (P) half -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillStarted(Event):
+    kind: ClassVar[str] = "prefill_started"
+
+
+@dataclass(frozen=True, slots=True)
+class Exported(Event):
+    """Prefill done; the blocks are pinned until released or ``t + lease_s``."""
+
+    lease_s: float = 30.0
+    consumer_ranks: tuple[int, ...] = (0,)
+    num_blocks: int = 0
+    kind: ClassVar[str] = "exported"
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatReceived(Event):
+    """A consumer engine asked P to keep the request's blocks alive."""
+
+    from_engine: str = ""
+    kind: ClassVar[str] = "heartbeat_received"
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseNotified(Event):
+    """A consumer rank says it is done with the request's blocks."""
+
+    from_engine: str = ""
+    consumer_rank: int = 0
+    kind: ClassVar[str] = "release_notified"
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseExpired(Event):
+    kind: ClassVar[str] = "lease_expired"
+
+
+@dataclass(frozen=True, slots=True)
+class Aborted(Event):
+    """The request ended on P before it was exported (client abort, error)."""
+
+    reason: str = ""
+    kind: ClassVar[str] = "aborted"
+
+
+@dataclass(frozen=True, slots=True)
+class Freed(Event):
+    """P returned the request's blocks to its pool (exactly once)."""
+
+    kind: ClassVar[str] = "freed"
+
+
+# --- consumer (D) half -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted(Event):
+    """D accepted a request whose KV lives on P (``remote_engine``)."""
+
+    remote_engine: str = ""
+    remote_ranks: tuple[int, ...] = (0,)
+    num_blocks: int = 0
+    lease_margin_s: float = 1.0
+    local_request_id: str = ""
+    kind: ClassVar[str] = "admitted"
+
+
+@dataclass(frozen=True, slots=True)
+class Validated(Event):
+    kind: ClassVar[str] = "validated"
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected(Event):
+    reason: str = ""
+    kind: ClassVar[str] = "rejected"
+
+
+@dataclass(frozen=True, slots=True)
+class ReadsPosted(Event):
+    """D posted one READ per split; ``split_ranks[i]`` is split i's P rank."""
+
+    split_ranks: tuple[int, ...] = (0,)
+    kind: ClassVar[str] = "reads_posted"
+
+
+@dataclass(frozen=True, slots=True)
+class SplitCompleted(Event):
+    split: int = 0
+    kind: ClassVar[str] = "split_completed"
+
+
+@dataclass(frozen=True, slots=True)
+class SplitFailed(Event):
+    split: int = 0
+    reason: str = ""
+    kind: ClassVar[str] = "split_failed"
+
+
+@dataclass(frozen=True, slots=True)
+class ClientCancelled(Event):
+    kind: ClassVar[str] = "client_cancelled"
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseAcknowledged(Event):
+    """P answered a heartbeat D sent at ``sent_at`` (D's clock).
+
+    ``time_left`` > 0: the lease was alive with that much left when P read the
+    heartbeat; ``time_left`` == 0: P released the request on its consumers'
+    notifications (every read had finished); ``time_left`` < 0: P no longer
+    holds the blocks for any other reason (expired, aborted, unknown).
+    """
+
+    p_rank: int = 0
+    sent_at: float = 0.0
+    time_left: float = -1.0
+    kind: ClassVar[str] = "lease_acknowledged"
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRecving(Event):
+    """The worker reported the request's reads drained (exactly once)."""
+
+    kind: ClassVar[str] = "finished_recving"
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseSent(Event):
+    """D told P it is done: ``notify_only`` when no read carried the release."""
+
+    notify_only: bool = False
+    kind: ClassVar[str] = "release_sent"
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatSent(Event):
+    kind: ClassVar[str] = "heartbeat_sent"
+
+
+PRODUCER_EVENTS: tuple[type[Event], ...] = (
+    PrefillStarted, Exported, HeartbeatReceived, ReleaseNotified, LeaseExpired, Aborted, Freed,
+)
+CONSUMER_EVENTS: tuple[type[Event], ...] = (
+    Admitted, Validated, Rejected, ReadsPosted, SplitCompleted, SplitFailed, ClientCancelled,
+    LeaseAcknowledged, FinishedRecving, ReleaseSent, HeartbeatSent,
+)
+EVENT_TYPES: dict[str, type[Event]] = {c.kind: c for c in PRODUCER_EVENTS + CONSUMER_EVENTS}
+
+# Field names and types beyond the common header, per event kind (for the log).
+COMMON_FIELDS = ("request_id", "stream", "seq", "t")
+EXTRA_FIELDS: dict[str, tuple[tuple[str, type], ...]] = {
+    kind: tuple(
+        (f.name, f.type if isinstance(f.type, type) else eval(f.type))  # noqa: S307 - our own annotations
+        for f in fields(cls)
+        if f.name not in COMMON_FIELDS
+    )
+    for kind, cls in EVENT_TYPES.items()
+}
+_ = field  # dataclasses.field is re-exported for event definitions elsewhere
