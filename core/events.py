@@ -12,9 +12,10 @@ the lifecycle graph both read it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import typing
+from dataclasses import dataclass, fields
 from enum import StrEnum
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 
 class Side(StrEnum):
@@ -22,9 +23,12 @@ class Side(StrEnum):
     D = "D"  # consumer: decode engine, READs the blocks
 
 
-@dataclass(frozen=True, slots=True)
-class Stream:
-    """Who wrote an event: one engine, one side, one rank."""
+class Stream(NamedTuple):
+    """Who wrote an event: one engine, one side, one rank.
+
+    A named tuple rather than a dataclass: it keys every lookup of the fold,
+    and a tuple hashes in C.
+    """
 
     engine: str
     side: Side
@@ -197,12 +201,8 @@ EVENT_TYPES: dict[str, type[Event]] = {c.kind: c for c in PRODUCER_EVENTS + CONS
 
 # Field names and types beyond the common header, per event kind (for the log).
 COMMON_FIELDS = ("request_id", "stream", "seq", "t")
-EXTRA_FIELDS: dict[str, tuple[tuple[str, type], ...]] = {
-    kind: tuple(
-        (f.name, f.type if isinstance(f.type, type) else eval(f.type))  # noqa: S307 - our own annotations
-        for f in fields(cls)
-        if f.name not in COMMON_FIELDS
-    )
+EXTRA_FIELDS: dict[str, tuple[tuple[str, object], ...]] = {
+    kind: tuple((f.name, typing.get_type_hints(cls)[f.name])
+                for f in fields(cls) if f.name not in COMMON_FIELDS)
     for kind, cls in EVENT_TYPES.items()
 }
-_ = field  # dataclasses.field is re-exported for event definitions elsewhere

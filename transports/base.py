@@ -36,7 +36,6 @@ from typing import Any, Protocol, runtime_checkable
 from kvhandoff.core.planning import BlockRun  # runs are planned by the core
 
 
-
 class MemoryKind(StrEnum):
     DRAM = "DRAM"
     VRAM = "VRAM"

@@ -1,0 +1,191 @@
+"""The event log: JSON Lines, one event per line, schema version on every line.
+
+    {"v":1,"type":"exported","rid":"req-7","engine":"prefill-0","side":"P","rank":0,
+     "seq":12,"t":103.25,"lease_s":30.0,"consumer_ranks":[0,1],"num_blocks":4}
+
+Writing is buffered (`LogWriter`); ``flush`` at the points where losing the
+tail would hurt.  Reading (`read_log`, `read_logs`) checks every line: bad
+JSON, an unknown event type, a field of the wrong type, a sequence gap or
+repeat within a stream raise `LogCorrupt` naming the file and line.  A torn
+last line (a crash mid-write: no final newline and not parseable) is dropped
+with a warning and the events before it are kept.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+
+import orjson
+import structlog
+
+from kvhandoff.core.errors import LogCorrupt
+from kvhandoff.core.events import EVENT_TYPES, EXTRA_FIELDS, Event, Side, Stream
+
+SCHEMA_VERSION = 1
+log = structlog.get_logger(__name__)
+
+
+def encode_event(event: Event) -> bytes:
+    s = event.stream
+    body = {"v": SCHEMA_VERSION, "type": event.kind, "rid": event.request_id,
+            "engine": s.engine, "side": s.side.value, "rank": s.rank, "seq": event.seq,
+            "t": event.t}
+    for name, _ in EXTRA_FIELDS[event.kind]:
+        body[name] = getattr(event, name)
+    return orjson.dumps(body)
+
+
+class LogWriter:
+    """Append events to a JSONL file through a large buffer."""
+
+    def __init__(self, path: str | os.PathLike, buffer_bytes: int = 1 << 16) -> None:
+        self.path = os.fspath(path)
+        self._file = open(self.path, "ab", buffering=buffer_bytes)  # noqa: SIM115 - owned
+
+    def __call__(self, event: Event) -> None:
+        self._file.write(encode_event(event) + b"\n")
+
+    write = __call__
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+    def __enter__(self) -> LogWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _checker(annotation: object) -> Callable[[object], object]:
+    """A converter that returns the field's value or raises TypeError naming the type."""
+    if annotation is bool:
+        def check(v):
+            if type(v) is bool:
+                return v
+            raise TypeError("bool")
+    elif annotation is int:
+        def check(v):
+            if type(v) is int:
+                return v
+            raise TypeError("int")
+    elif annotation is float:
+        def check(v):
+            if type(v) is float or type(v) is int:
+                return float(v)
+            raise TypeError("number")
+    elif annotation is str:
+        def check(v):
+            if type(v) is str:
+                return v
+            raise TypeError("str")
+    else:  # tuple[int, ...]
+        def check(v):
+            if type(v) is list and all(type(x) is int for x in v):
+                return tuple(v)
+            raise TypeError("list of int")
+    return check
+
+
+_DECODERS = {
+    kind: (EVENT_TYPES[kind], tuple((name, _checker(ann)) for name, ann in extra))
+    for kind, extra in EXTRA_FIELDS.items()
+}
+_HEADER = (("rid", str), ("engine", str), ("side", str), ("rank", int), ("seq", int))
+_SIDES = {s.value: s for s in Side}
+
+
+class _Reader:
+    """Decodes lines of one or more files, keeping per-stream sequence checks across them."""
+
+    def __init__(self) -> None:
+        self.streams: dict[tuple, Stream] = {}
+        self.last_seq: dict[Stream, int] = {}
+
+    def decode(self, raw: bytes, path: str, lineno: int) -> Event:
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise LogCorrupt(path, lineno, f"bad JSON ({e})") from None
+        if type(obj) is not dict:
+            raise LogCorrupt(path, lineno, f"expected an object, found {type(obj).__name__}")
+        if obj.get("v") != SCHEMA_VERSION:
+            raise LogCorrupt(path, lineno, f"schema version {obj.get('v')!r}, "
+                                           f"expected {SCHEMA_VERSION}")
+        kind = obj.get("type")
+        decoder = _DECODERS.get(kind) if type(kind) is str else None
+        if decoder is None:
+            raise LogCorrupt(path, lineno, f"unknown event type {kind!r}")
+        cls, extras = decoder
+        for name, typ in _HEADER:
+            v = obj.get(name)
+            if type(v) is not typ:
+                raise LogCorrupt(path, lineno, f"field {name!r} must be {typ.__name__}, "
+                                               f"found {type(v).__name__}")
+        t = obj.get("t")
+        if type(t) is not float and type(t) is not int:
+            raise LogCorrupt(path, lineno, f"field 't' must be a number, found {type(t).__name__}")
+        side = _SIDES.get(obj["side"])
+        if side is None:
+            raise LogCorrupt(path, lineno, f"field 'side' must be P or D, found {obj['side']!r}")
+        skey = (obj["engine"], side, obj["rank"])
+        stream = self.streams.get(skey)
+        if stream is None:
+            stream = self.streams[skey] = Stream(*skey)
+        values = []
+        for name, check in extras:
+            if name not in obj:
+                raise LogCorrupt(path, lineno, f"{kind}: missing field {name!r}")
+            try:
+                values.append(check(obj[name]))
+            except TypeError as e:
+                raise LogCorrupt(path, lineno, f"{kind}: field {name!r} must be {e}, "
+                                               f"found {type(obj[name]).__name__}") from None
+        seq = obj["seq"]
+        expected = self.last_seq.get(stream, -1) + 1
+        if seq != expected:
+            what = "repeat" if seq < expected else "gap"
+            raise LogCorrupt(path, lineno, f"sequence {what} in stream {stream}: "
+                                           f"expected {expected}, found {seq}")
+        self.last_seq[stream] = seq
+        return cls(obj["rid"], stream, seq, float(t), *values)
+
+    def read(self, path: str | os.PathLike) -> list[Event]:
+        path = os.fspath(path)
+        with open(path, "rb") as f:
+            data = f.read()
+        lines = data.split(b"\n")
+        torn = lines.pop()  # b"" when the file ends with a newline
+        events = [self.decode(raw, path, i) for i, raw in enumerate(lines, 1)]
+        if torn:
+            try:
+                events.append(self.decode(torn, path, len(lines) + 1))
+            except LogCorrupt as e:
+                log.warning("eventlog.torn_last_line", path=path, line=len(lines) + 1,
+                            reason=e.reason, kept_events=len(events))
+        return events
+
+
+def read_log(path: str | os.PathLike) -> list[Event]:
+    """Read one event log (see the module docstring for what is checked)."""
+    return _Reader().read(path)
+
+
+def read_logs(paths: Sequence[str | os.PathLike]) -> list[Event]:
+    """Read several logs (e.g. P's and D's); a stream may continue across files in order."""
+    reader = _Reader()
+    events: list[Event] = []
+    for path in paths:
+        events.extend(reader.read(path))
+    return events
+
+
+def write_log(path: str | os.PathLike, events: Iterable[Event]) -> None:
+    with LogWriter(path) as writer:
+        for event in events:
+            writer(event)

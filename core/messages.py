@@ -1,0 +1,105 @@
+"""Wire notifications between D and P: release, heartbeat, heartbeat acknowledgement.
+
+Small JSON objects (orjson), never pickle.  `decode` checks every field and
+raises `MalformedMessage` naming the field, so a forged or garbled message
+is refused before it reaches the lifecycle.  Whether a well-formed message
+is *stale* (unknown or already released request, wrong peer) is decided by
+the fold, which ignores and counts it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import orjson
+
+from kvhandoff.core.errors import MalformedMessage
+
+WIRE_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """D rank ``rank`` of engine ``engine`` is done with P's request ``request_id``."""
+
+    request_id: str
+    engine: str
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Keep these requests' blocks alive; ``sent_at`` is D's clock, echoed in the ack."""
+
+    engine: str
+    rank: int
+    sent_at: float
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatAck:
+    """P rank ``rank`` of ``engine`` answers a heartbeat: time left per request (see policy)."""
+
+    engine: str
+    rank: int
+    sent_at: float
+    time_left: dict[str, float]
+
+
+Message = Release | Heartbeat | HeartbeatAck
+_KINDS = {"rel": Release, "hb": Heartbeat, "ack": HeartbeatAck}
+_TAGS = {cls: tag for tag, cls in _KINDS.items()}
+
+
+def encode(msg: Message) -> bytes:
+    body = {"v": WIRE_VERSION, "k": _TAGS[type(msg)]}
+    for name in msg.__slots__:
+        body[name] = getattr(msg, name)
+    return orjson.dumps(body)
+
+
+def _field(obj: dict, name: str, kind: type | tuple[type, ...], what: str):
+    if name not in obj:
+        raise MalformedMessage(f"{what}: missing field {name!r}")
+    value = obj[name]
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise MalformedMessage(f"{what}: field {name!r} must be {_type_name(kind)}, "
+                               f"found {type(value).__name__}")
+    return value
+
+
+def _type_name(kind) -> str:
+    return " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
+
+
+def decode(data: bytes) -> Message:
+    """Parse one notification; raise `MalformedMessage` saying what was wrong."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise MalformedMessage(f"notification is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise MalformedMessage(f"notification must be an object, found {type(obj).__name__}")
+    if obj.get("v") != WIRE_VERSION:
+        raise MalformedMessage(f"unsupported wire version {obj.get('v')!r}, expected {WIRE_VERSION}")
+    cls = _KINDS.get(obj.get("k"))
+    if cls is None:
+        raise MalformedMessage(f"unknown notification kind {obj.get('k')!r}")
+    what = cls.__name__
+    engine = _field(obj, "engine", str, what)
+    rank = _field(obj, "rank", int, what)
+    if rank < 0:
+        raise MalformedMessage(f"{what}: field 'rank' must be >= 0, found {rank}")
+    if cls is Release:
+        return Release(_field(obj, "request_id", str, what), engine, rank)
+    sent_at = float(_field(obj, "sent_at", (int, float), what))
+    if cls is Heartbeat:
+        ids = _field(obj, "request_ids", list, what)
+        if not all(isinstance(i, str) for i in ids):
+            raise MalformedMessage(f"{what}: field 'request_ids' must hold strings")
+        return Heartbeat(engine, rank, sent_at, tuple(ids))
+    left = _field(obj, "time_left", dict, what)
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in left.values()):
+        raise MalformedMessage(f"{what}: field 'time_left' must map request ids to numbers")
+    return HeartbeatAck(engine, rank, sent_at, {k: float(v) for k, v in left.items()})

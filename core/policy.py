@@ -1,0 +1,84 @@
+"""Policy as pure functions of the fold: what to heartbeat, what to free, what is safe.
+
+Adapters and simulations call these with the current time; nothing here
+keeps state of its own, so the decision is always the one the event log
+implies.
+"""
+
+from __future__ import annotations
+
+from kvhandoff.core.events import Stream
+from kvhandoff.core.lifecycle import (
+    HEARTBEAT_STATES,
+    ConsumerRecord,
+    DState,
+    LifecycleState,
+    ProducerRecord,
+    PState,
+    Verdict,
+    read_verdict_of,
+)
+
+__all__ = [
+    "Verdict", "heartbeat_due", "expired_leases", "to_free", "lease_time_left",
+    "read_verdict", "reads_to_report",
+]
+
+_TO_FREE = frozenset({PState.RELEASED, PState.EXPIRED, PState.ABORTED})
+
+
+def _records(state: LifecycleState, stream: Stream):
+    ss = state.streams.get(stream)
+    return () if ss is None else ss.requests.items()
+
+
+def heartbeat_due(state: LifecycleState, stream: Stream) -> dict[str, list[str]]:
+    """D: the requests to heartbeat now, grouped by remote (P) engine.
+
+    A request is heartbeated from admission until its reads drained
+    (finished_recving) or a notify-only release went out; a client cancel
+    with reads in flight keeps it here.
+    """
+    due: dict[str, list[str]] = {}
+    for rid, rec in _records(state, stream):
+        if rec.state in HEARTBEAT_STATES:
+            due.setdefault(rec.remote_engine, []).append(rid)
+    return due
+
+
+def expired_leases(state: LifecycleState, stream: Stream, t: float) -> list[str]:
+    """P: exported requests whose lease deadline has passed at ``t``."""
+    return [rid for rid, rec in _records(state, stream)
+            if rec.state is PState.EXPORTED and t >= rec.deadline]
+
+
+def to_free(state: LifecycleState, stream: Stream) -> list[str]:
+    """P: requests whose blocks must be freed now (released, expired or aborted)."""
+    return [rid for rid, rec in _records(state, stream) if rec.state in _TO_FREE]
+
+
+def lease_time_left(state: LifecycleState, stream: Stream, request_id: str, t: float) -> float:
+    """P's answer to a heartbeat: > 0 alive (seconds left), 0 released, < 0 gone."""
+    rec = state.record(stream, request_id)
+    if not isinstance(rec, ProducerRecord):
+        return -1.0
+    if rec.state is PState.EXPORTED:
+        return rec.deadline - t if t < rec.deadline else -1.0
+    return 0.0 if rec.state is PState.RELEASED or rec.ended == "released" else -1.0
+
+
+def read_verdict(state: LifecycleState, stream: Stream, request_id: str) -> Verdict:
+    """D: may the request's completed reads be reported as received?"""
+    rec = state.record(stream, request_id)
+    if not isinstance(rec, ConsumerRecord) or rec.state not in (
+            DState.READING, DState.CANCELLED_READING):
+        raise KeyError(f"{stream}: request {request_id!r} has no reads in progress")
+    return read_verdict_of(rec)
+
+
+def reads_to_report(state: LifecycleState, stream: Stream) -> list[str]:
+    """D: requests whose reads drained with a verdict (not PENDING): report finished_recving."""
+    return [rid for rid, rec in _records(state, stream)
+            if rec.state in (DState.READING, DState.CANCELLED_READING)
+            and read_verdict_of(rec) is not Verdict.PENDING
+            and all(d is not None for d in rec.split_done)]
