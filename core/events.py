@@ -112,6 +112,7 @@ class Admitted(Event):
     remote_engine: str = ""
     remote_ranks: tuple[int, ...] = (0,)
     num_blocks: int = 0
+    lease_s: float = 30.0
     lease_margin_s: float = 1.0
     local_request_id: str = ""
     kind: ClassVar[str] = "admitted"

@@ -94,7 +94,7 @@ class ProducerRecord:
 class ConsumerRecord:
     """D's view of one request on one rank."""
 
-    __slots__ = ("state", "remote_engine", "remote_ranks", "num_blocks", "margin",
+    __slots__ = ("state", "remote_engine", "remote_ranks", "num_blocks", "lease_s", "margin",
                  "local_id", "split_ranks", "split_done", "failed", "cancelled",
                  "safe_until", "gone", "last_heartbeat", "t0")
 
@@ -103,6 +103,7 @@ class ConsumerRecord:
         self.remote_engine = ""
         self.remote_ranks: tuple[int, ...] = ()
         self.num_blocks = 0
+        self.lease_s = 0.0
         self.margin = 0.0
         self.local_id = ""
         self.split_ranks: tuple[int, ...] = ()
@@ -117,7 +118,7 @@ class ConsumerRecord:
 
     def key(self) -> tuple:
         return (self.state.value, self.remote_engine, self.remote_ranks, self.num_blocks,
-                self.margin, self.local_id, self.split_ranks, tuple(self.split_done),
+                self.lease_s, self.margin, self.local_id, self.split_ranks, tuple(self.split_done),
                 self.failed, self.cancelled, tuple(sorted(self.safe_until.items())),
                 self.gone, self.last_heartbeat)
 
@@ -252,11 +253,13 @@ def _expire(ss, rec: ProducerRecord, ev) -> ProducerRecord:
 
 
 def _admit(ss, rec, ev) -> ConsumerRecord:
-    if not ev.remote_engine or not ev.remote_ranks:
-        raise _Refused("admitted without remote_engine or remote_ranks")
+    if not ev.remote_engine or not ev.remote_ranks or ev.lease_s <= 0:
+        raise _Refused(f"remote_engine={ev.remote_engine!r}, remote_ranks={ev.remote_ranks}, "
+                       f"lease_s={ev.lease_s}")
     rec = ConsumerRecord(ev.t)
     rec.remote_engine, rec.remote_ranks = ev.remote_engine, tuple(ev.remote_ranks)
-    rec.num_blocks, rec.margin, rec.local_id = ev.num_blocks, ev.lease_margin_s, ev.local_request_id
+    rec.num_blocks, rec.lease_s = ev.num_blocks, ev.lease_s
+    rec.margin, rec.local_id = ev.lease_margin_s, ev.local_request_id
     return rec
 
 

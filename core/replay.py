@@ -1,0 +1,210 @@
+"""Replay: fold P's and D's logs together, check the invariants, show timelines.
+
+The fold of each stream is independent; the cross-engine checks need one
+clock, so replay merges all events by time (each stream keeps its own order)
+and assumes the engines' clocks are comparable — true for engines on one
+host (CLOCK_MONOTONIC) and in the simulator.
+
+Invariants checked (ARCHITECTURE.md):
+
+* ``transition`` — every event is legal in its request's state and is its
+  stream's next sequence number (a second ``freed`` is reported as
+  ``double_free``, a second ``finished_recving`` as ``transition``).
+* ``heartbeat_gap`` — D went longer than the request's lease without a
+  heartbeat while the request was in a heartbeat state (e.g. a cancelled
+  request whose reads were still in flight).
+* ``served_freed`` — D accepted a request's bytes (RECEIVED, not cancelled)
+  although one of its reads completed after P freed the source blocks.
+* ``leak`` — an exported request that P still held one lease after its
+  deadline, at the end of P's log.
+
+``freed_under_read`` (P freed blocks while a read of them was in flight) is
+counted, not a violation by itself: a partition longer than the lease makes
+it legitimate for P; what must never follow is ``served_freed``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import groupby
+
+from kvhandoff.core.errors import InvalidTransition, LifecycleError
+from kvhandoff.core.events import EXTRA_FIELDS, Event, Freed, Side
+from kvhandoff.core.lifecycle import (
+    HEARTBEAT_STATES,
+    ConsumerRecord,
+    DState,
+    LifecycleState,
+    ProducerRecord,
+    PState,
+    apply,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    invariant: str
+    event: str  # "engine/SIDErank#seq kind request" of the event that showed it
+    detail: str
+
+    def as_dict(self) -> dict:
+        return {"invariant": self.invariant, "event": self.event, "detail": self.detail}
+
+
+@dataclass
+class Replay:
+    state: LifecycleState
+    events: int = 0
+    violations: list[Violation] = field(default_factory=list)
+    freed_under_read: int = 0
+    timeline: list[tuple[Event, str]] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        states: Counter[str] = Counter()
+        requests: set[str] = set()
+        ignored: Counter[str] = Counter()
+        for ss in self.state.streams.values():
+            ignored.update(ss.ignored)
+            for rid, rec in ss.requests.items():
+                requests.add(rid)
+                states[f"{ss.stream.side.value}:{rec.state.value}"] += 1
+        return {
+            "events": self.events,
+            "requests": len(requests),
+            "states": dict(sorted(states.items())),
+            "violations": [v.as_dict() for v in self.violations],
+            "state_hash": state_hash(self.state),
+            "freed_under_read": self.freed_under_read,
+            "ignored_notifications": sum(ignored.values()),
+            "ignored_by_reason": dict(sorted(ignored.items())),
+        }
+
+
+def describe(event: Event) -> str:
+    return f"{event.stream}#{event.seq} {event.kind} {event.request_id}"
+
+
+def state_hash(state: LifecycleState) -> str:
+    """A stable hash of the folded state (independent of dict order and process)."""
+    h = hashlib.blake2b(digest_size=16)
+    for stream in sorted(state.streams):
+        ss = state.streams[stream]
+        h.update(repr((tuple(stream), ss.last_seq, sorted(ss.ignored.items()), ss.freed)).encode())
+        for rid in sorted(ss.requests):
+            h.update(repr((rid, ss.requests[rid].key())).encode())
+    return h.hexdigest()
+
+
+def merge_by_time(events: Sequence[Event]) -> list[Event]:
+    """All events in time order; each stream's events stay in sequence order."""
+    per_stream: dict = {}
+    for e in events:
+        per_stream.setdefault(e.stream, []).append(e)
+    return list(heapq.merge(*per_stream.values(), key=lambda e: e.t))
+
+
+def replay(events: Sequence[Event], *, request: str | None = None, until: int | None = None,
+           keep_timeline: bool = False) -> Replay:
+    """Fold ``events`` (from one or several logs) and check the invariants."""
+    if until is not None:
+        events = [e for e in events if e.seq <= until]
+    ordered = merge_by_time(events)
+    result = Replay(LifecycleState(retain_terminal=True))
+    state = result.state
+    # P's free time per (P engine, P rank, request) and D's in-flight splits, for cross checks.
+    freed_at: dict[tuple[str, int, str], float] = {}
+    last_t: dict = {}
+    for event in ordered:
+        last_t[event.stream] = event.t
+        try:
+            apply(state, event)
+        except InvalidTransition as e:
+            name = "double_free" if isinstance(event, Freed) and e.state == PState.FREED else "transition"
+            result.violations.append(Violation(name, describe(event), str(e)))
+            _skip(state, event)
+            continue
+        except LifecycleError as e:
+            result.violations.append(Violation("transition", describe(event), str(e)))
+            _skip(state, event)
+            continue
+        result.events += 1
+        rec = state.record(event.stream, event.request_id)
+        if keep_timeline and (request is None or event.request_id == request):
+            result.timeline.append((event, rec.state.value if rec is not None else "-"))
+        if event.stream.side is Side.P:
+            if isinstance(event, Freed):
+                freed_at[(event.stream.engine, event.stream.rank, event.request_id)] = event.t
+                result.freed_under_read += _reads_in_flight(state, event)
+        elif isinstance(rec, ConsumerRecord):
+            _check_consumer(result, freed_at, event, rec)
+    _check_leaks(result, last_t)
+    return result
+
+
+def _skip(state: LifecycleState, event: Event) -> None:
+    # Keep folding past a bad event so one run reports every violation.
+    ss = state.stream(event.stream)
+    ss.last_seq = max(ss.last_seq, event.seq)
+
+
+def _reads_in_flight(state: LifecycleState, freed: Event) -> int:
+    engine, rank, rid = freed.stream.engine, freed.stream.rank, freed.request_id
+    count = 0
+    for ss in state.streams.values():
+        if ss.stream.side is not Side.D:
+            continue
+        rec = ss.requests.get(rid)
+        if (isinstance(rec, ConsumerRecord) and rec.remote_engine == engine
+                and any(r == rank and d is None for r, d in zip(rec.split_ranks, rec.split_done,
+                                                                 strict=True))):
+            count += 1
+    return count
+
+
+def _check_consumer(result: Replay, freed_at: dict, event: Event, rec: ConsumerRecord) -> None:
+    if rec.state in HEARTBEAT_STATES or event.kind == "finished_recving":
+        gap = event.t - rec.last_heartbeat
+        if gap > rec.lease_s:
+            result.violations.append(Violation(
+                "heartbeat_gap", describe(event),
+                f"no heartbeat for {gap:.3f}s (lease {rec.lease_s}s) while in {rec.state.value}"))
+            rec.last_heartbeat = event.t  # report each gap once
+    if rec.state is DState.RECEIVED and event.kind == "finished_recving" and not rec.cancelled:
+        for rank, done in zip(rec.split_ranks, rec.split_done, strict=True):
+            t_free = freed_at.get((rec.remote_engine, rank, event.request_id))
+            if t_free is not None and isinstance(done, float) and done > t_free:
+                result.violations.append(Violation(
+                    "served_freed", describe(event),
+                    f"read from {rec.remote_engine} rank {rank} completed at t={done} "
+                    f"after P freed the source at t={t_free}"))
+
+
+def _check_leaks(result: Replay, last_t: dict) -> None:
+    for ss in result.state.streams.values():
+        if ss.stream.side is not Side.P:
+            continue
+        end = last_t.get(ss.stream, 0.0)
+        for rid, rec in ss.requests.items():
+            if (isinstance(rec, ProducerRecord) and rec.state is PState.EXPORTED
+                    and rec.deadline + rec.lease_s < end):
+                result.violations.append(Violation(
+                    "leak", f"{ss.stream} {rid}",
+                    f"lease ended at t={rec.deadline}, still held at t={end}"))
+
+
+def render_timeline(timeline: Iterable[tuple[Event, str]]) -> str:
+    """Human-readable per-request timeline."""
+    lines: list[str] = []
+    rows = sorted(timeline, key=lambda row: (row[0].request_id, row[0].t))
+    for rid, group in groupby(rows, key=lambda row: row[0].request_id):
+        lines.append(f"request {rid}")
+        for event, state in group:
+            extras = " ".join(f"{name}={getattr(event, name)}"
+                              for name, _ in EXTRA_FIELDS[event.kind])
+            lines.append(f"  t={event.t:<12.6f} {str(event.stream):<16} {event.kind:<18} "
+                         f"-> {state:<17} {extras}".rstrip())
+    return "\n".join(lines)
