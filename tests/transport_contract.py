@@ -1,0 +1,289 @@
+"""The contract every `Transport` must pass (sim, NIXL host memory, NIXL VRAM).
+
+How to run it against a transport
+---------------------------------
+Subclass `TransportContract` in a ``tests/test_transport_*.py`` module and
+implement one hook::
+
+    from tests.transport_contract import TransportContract, TransportPair
+
+    class TestMyTransport(TransportContract):
+        def make_pair(self, num_blocks: int, block_bytes: int, n_regions: int) -> TransportPair:
+            ...
+
+pytest collects the subclass only: the base class's name does not start with
+``Test``.  Each test calls ``make_pair`` once and ``pair.close()`` at the end.
+
+What ``make_pair`` returns (`TransportPair`)
+--------------------------------------------
+* ``p``, ``d``: two transports, **not yet registered and not yet peered**.
+  ``p`` owns the source blocks (the prefill side); ``d`` posts the READs.
+  ``p`` may be a proxy for an agent in another process, as long as it
+  follows the protocol.
+* ``p_regions``, ``d_regions``: ``n_regions`` `KVRegion` each, same names
+  and ``block_bytes``, ``num_blocks`` blocks, for the test to register.
+* ``write_p(i, rows)``, ``write_d(i, rows)``: overwrite region ``i`` on that
+  side with ``rows`` (a ``(num_blocks, block_bytes)`` uint8 array);
+  ``read_d(i)``: a copy of D's region ``i`` as such an array.  For host
+  memory these are plain numpy copies; for VRAM, copies through the host.
+* ``pump()``: make some progress and return; the tests call it in loops
+  (at most ``MAX_PUMPS`` times) until what they wait for happens.  The sim
+  advances its clock; a real transport polls or sleeps briefly.
+* ``kill_p()``: the producer dies now, without any goodbye (SIGKILL for a
+  process, a crash for the sim).  A READ that was posted but not yet pumped
+  must then complete with ``ok=False``, and ``d.lost_peers()`` must name the
+  producer within ``MAX_PUMPS`` pumps.
+* ``close()``: free everything (called even when a test fails).
+
+The tests are transport-neutral: they use only the protocol, these hooks and
+the typed errors of `kvhandoff.transports.base`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from kvhandoff.core.planning import BlockRun, coalesce
+from kvhandoff.transports.base import (
+    Completion,
+    KVRegion,
+    PeerNotReady,
+    ReadRequest,
+    Transport,
+    TransportError,
+    UnknownPeer,
+)
+
+SENTINEL = 0x5A  # what D's blocks hold before a READ; must survive where nothing was read
+
+
+@dataclass
+class TransportPair:
+    p: Transport
+    d: Transport
+    p_regions: list[KVRegion]
+    d_regions: list[KVRegion]
+    write_p: Callable[[int, np.ndarray], None]
+    write_d: Callable[[int, np.ndarray], None]
+    read_d: Callable[[int], np.ndarray]
+    pump: Callable[[], None]
+    kill_p: Callable[[], None]
+    close: Callable[[], None] = field(default=lambda: None)
+
+
+def host_regions(prefix: str, num_blocks: int, block_bytes: int, n_regions: int,
+                 names: list[str] | None = None) -> tuple[list[KVRegion], list[np.ndarray]]:
+    """``n_regions`` numpy-backed regions and their ``(num_blocks, block_bytes)`` rows."""
+    names = names or [f"layer{i}.kv" for i in range(n_regions)]
+    rows = [np.zeros((num_blocks, block_bytes), dtype=np.uint8) for _ in names]
+    return [KVRegion(n, r, num_blocks, block_bytes) for n, r in zip(names, rows, strict=True)], rows
+
+
+class TransportContract:
+    """The contract suite.  Subclasses implement `make_pair`."""
+
+    MAX_PUMPS = 20_000
+    NUM_BLOCKS = 64
+    BLOCK_BYTES = 256
+
+    def make_pair(self, num_blocks: int, block_bytes: int, n_regions: int) -> TransportPair:
+        raise NotImplementedError
+
+    # -- helpers ----------------------------------------------------------
+
+    @pytest.fixture
+    def pair(self):
+        pair = self.make_pair(self.NUM_BLOCKS, self.BLOCK_BYTES, 3)
+        try:
+            yield pair
+        finally:
+            pair.close()
+
+    def connect(self, pair: TransportPair) -> tuple[str, str]:
+        """Register both sides and exchange metadata; return (P's name, D's name)."""
+        pair.p.register(pair.p_regions)
+        pair.d.register(pair.d_regions)
+        p_name = pair.d.add_peer(pair.p.metadata())
+        d_name = pair.p.add_peer(pair.d.metadata())
+        return p_name, d_name
+
+    def fill(self, pair: TransportPair, seed: int = 1) -> list[np.ndarray]:
+        """Random source bytes on P, the sentinel on D; returns P's rows."""
+        rng = np.random.default_rng(seed)
+        source = []
+        for i, region in enumerate(pair.p_regions):
+            rows = rng.integers(0, 256, (region.num_blocks, region.block_bytes), dtype=np.uint8)
+            rows[rows == SENTINEL] = SENTINEL + 1  # so "untouched" is unambiguous
+            pair.write_p(i, rows)
+            pair.write_d(i, np.full_like(rows, SENTINEL))
+            source.append(rows)
+        return source
+
+    def wait(self, pair: TransportPair, done: Callable[[], bool], what: str) -> None:
+        for _ in range(self.MAX_PUMPS):
+            if done():
+                return
+            pair.pump()
+        raise AssertionError(f"gave up waiting for {what} after {self.MAX_PUMPS} pumps")
+
+    def read_all(self, pair: TransportPair, peer: str, reads: list[ReadRequest],
+                 notif: bytes | None = None) -> dict[int, Completion]:
+        """Post ``reads``, pump until each completed, and return completions by handle."""
+        handles = [pair.d.post_read(peer, r, notif) for r in reads]
+        done: dict[int, Completion] = {}
+
+        def collect() -> bool:
+            for c in pair.d.poll():
+                assert c.handle not in done, f"handle {c.handle} completed twice"
+                done[c.handle] = c
+            return len(done) == len(handles)
+
+        self.wait(pair, collect, f"{len(handles)} READ completions")
+        assert sorted(done) == sorted(handles)
+        return done
+
+    # -- registration and peers ---------------------------------------------
+
+    def test_register_metadata_and_add_peer_name_each_other(self, pair):
+        p_name, d_name = self.connect(pair)
+        assert p_name == pair.p.name
+        assert d_name == pair.d.name
+        assert p_name != d_name
+
+    def test_metadata_from_before_registration_is_refused_until_refetched(self, pair):
+        stale = pair.p.metadata()
+        with pytest.raises(PeerNotReady):
+            pair.d.add_peer(stale)
+        pair.p.register(pair.p_regions)
+        pair.d.register(pair.d_regions)
+        assert pair.d.add_peer(pair.p.metadata()) == pair.p.name
+
+    def test_calls_naming_an_unknown_peer_raise_unknown_peer(self, pair):
+        self.connect(pair)
+        read = ReadRequest(runs=(BlockRun(0, 0, 1),))
+        with pytest.raises(UnknownPeer):
+            pair.d.post_read("no-such-agent", read)
+        with pytest.raises(UnknownPeer):
+            pair.d.send_notif("no-such-agent", b"hello")
+
+    def test_a_read_outside_the_registered_blocks_is_refused(self, pair):
+        p_name, _ = self.connect(pair)
+        with pytest.raises(TransportError):
+            pair.d.post_read(p_name, ReadRequest(runs=(BlockRun(self.NUM_BLOCKS - 1, 0, 2),)))
+
+    # -- READs ----------------------------------------------------------------
+
+    @pytest.mark.parametrize("pattern", ["one_block", "contiguous", "shuffled", "mixed"])
+    def test_read_copies_exactly_the_requested_blocks(self, pair, pattern):
+        p_name, _ = self.connect(pair)
+        source = self.fill(pair)
+        rng = np.random.default_rng(7)
+        n = self.NUM_BLOCKS
+        if pattern == "one_block":
+            remote, local = [5], [9]
+        elif pattern == "contiguous":
+            remote, local = list(range(8, 24)), list(range(30, 46))
+        elif pattern == "shuffled":
+            remote = [int(b) for b in rng.permutation(n)[: n // 2]]
+            local = [int(b) for b in rng.permutation(n)[: n // 2]]
+        else:  # runs of various lengths, in no particular order
+            remote = [3, 4, 5, 40, 41, 17, 60, 61, 62, 63, 0]
+            local = [10, 11, 12, 2, 3, 50, 20, 21, 22, 23, 33]
+        runs = coalesce(remote, local)
+        if pattern == "contiguous":
+            assert len(runs) == 1
+        (c,) = self.read_all(pair, p_name, [ReadRequest(runs=runs)]).values()
+        assert c.ok, c.reason
+        for i in range(len(pair.d_regions)):
+            got = pair.read_d(i)
+            for r, loc in zip(remote, local, strict=True):
+                assert np.array_equal(got[loc], source[i][r]), f"region {i}: block {r}->{loc}"
+            untouched = np.setdiff1d(np.arange(n), local)
+            assert (got[untouched] == SENTINEL).all(), f"region {i}: a block nobody asked for changed"
+
+    def test_a_read_of_some_regions_leaves_the_others_untouched(self, pair):
+        p_name, _ = self.connect(pair)
+        source = self.fill(pair)
+        chosen = pair.d_regions[1].name
+        read = ReadRequest(runs=coalesce([1, 2, 3], [4, 5, 6]), regions=(chosen,))
+        (c,) = self.read_all(pair, p_name, [read]).values()
+        assert c.ok, c.reason
+        assert np.array_equal(pair.read_d(1)[4:7], source[1][1:4])
+        for i in (0, 2):
+            assert (pair.read_d(i) == SENTINEL).all()
+
+    def test_each_completion_is_reported_exactly_once(self, pair):
+        p_name, _ = self.connect(pair)
+        self.fill(pair)
+        reads = [ReadRequest(runs=(BlockRun(i, i, 1),)) for i in range(0, 32, 2)]
+        done = self.read_all(pair, p_name, reads)
+        assert all(c.ok for c in done.values())
+        for _ in range(50):  # nothing more ever comes
+            pair.pump()
+            assert pair.d.poll() == []
+
+    def test_the_read_notification_reaches_the_source_only_after_the_bytes_landed(self, pair):
+        p_name, d_name = self.connect(pair)
+        source = self.fill(pair)
+        remote, local = list(range(10, 30)), list(range(20, 40))
+        pair.d.post_read(p_name, ReadRequest(runs=coalesce(remote, local)), b"release:req-1")
+        seen: list = []
+
+        def delivered() -> bool:
+            got = pair.p.recv_notifs()
+            if got:
+                # Whenever P hears of the READ, D already holds every byte.
+                for i in range(len(pair.d_regions)):
+                    assert np.array_equal(pair.read_d(i)[20:40], source[i][10:30])
+                seen.extend(got)
+            return bool(seen)
+
+        self.wait(pair, delivered, "the READ's notification at P")
+        assert [(n.peer, n.message) for n in seen] == [(d_name, b"release:req-1")]
+        completions: list[Completion] = []
+        self.wait(pair, lambda: bool(completions.extend(pair.d.poll()) or completions),
+                  "the READ's completion at D")
+        assert [c.ok for c in completions] == [True]
+
+    # -- notifications --------------------------------------------------------
+
+    def test_notifications_travel_both_ways_with_their_sender(self, pair):
+        p_name, d_name = self.connect(pair)
+        sent = [f"hb:{i}".encode() for i in range(5)]
+        for m in sent:
+            pair.d.send_notif(p_name, m)
+        pair.p.send_notif(d_name, b"ack:1")
+        at_p: list = []
+        at_d: list = []
+
+        def all_in() -> bool:
+            at_p.extend(pair.p.recv_notifs())
+            at_d.extend(pair.d.recv_notifs())
+            return len(at_p) >= len(sent) and len(at_d) >= 1
+
+        self.wait(pair, all_in, "notifications in both directions")
+        assert sorted(n.message for n in at_p) == sorted(sent)
+        assert {n.peer for n in at_p} == {d_name}
+        assert [(n.peer, n.message) for n in at_d] == [(p_name, b"ack:1")]
+
+    # -- failures -------------------------------------------------------------
+
+    def test_a_peer_that_dies_mid_read_fails_the_read_and_is_reported_lost(self, pair):
+        p_name, _ = self.connect(pair)
+        self.fill(pair)
+        handle = pair.d.post_read(p_name, ReadRequest(runs=coalesce(range(64), range(64))),
+                                  b"release:req-2")
+        pair.kill_p()
+        completions: list[Completion] = []
+        self.wait(pair, lambda: bool(completions.extend(pair.d.poll()) or completions),
+                  "the failed completion")
+        assert [(c.handle, c.ok) for c in completions] == [(handle, False)]
+        assert completions[0].reason
+        self.wait(pair, lambda: p_name in pair.d.lost_peers(), "the dead peer in lost_peers()")
+        for _ in range(20):
+            pair.pump()
+            assert pair.d.poll() == []  # the failure is reported once
