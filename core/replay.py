@@ -93,6 +93,8 @@ def state_hash(state: LifecycleState) -> str:
     h = hashlib.blake2b(digest_size=16)
     for stream in sorted(state.streams):
         ss = state.streams[stream]
+        if ss.last_seq < 0:
+            continue  # a stream that has written nothing yet is no state
         h.update(repr((tuple(stream), ss.last_seq, sorted(ss.ignored.items()), ss.freed)).encode())
         for rid in sorted(ss.requests):
             h.update(repr((rid, ss.requests[rid].key())).encode())

@@ -1,0 +1,105 @@
+"""The event log: round trip, torn last line tolerated, anything else corrupt is named."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from lifecycle_paths import D_PATHS, P_PATHS, RID, ledger_in
+from structlog.testing import capture_logs
+
+from kvhandoff.core.errors import LogCorrupt
+from kvhandoff.core.events import HeartbeatReceived
+from kvhandoff.core.lifecycle import DState, PState, fold
+from kvhandoff.core.log import LogWriter, read_log, read_logs, write_log
+from kvhandoff.core.replay import state_hash
+
+
+def _log_of(tmp_path, state, name="x.jsonl"):
+    ledger = ledger_in(state)
+    path = tmp_path / name
+    captured = []
+    from kvhandoff.core.ledger import Ledger
+    from kvhandoff.core.lifecycle import LifecycleState
+    replayed = Ledger(ledger.stream, LifecycleState(), captured.append)
+    for cls, fields in (P_PATHS if isinstance(state, PState) else D_PATHS)[state]:
+        fields = dict(fields)
+        replayed.record(cls, RID, fields.pop("t", 1.0), **fields)
+    write_log(path, captured)
+    return path, captured, replayed.state
+
+
+def test_round_trip_gives_equal_events_and_state(tmp_path):
+    path, written, live = _log_of(tmp_path, DState.DONE)
+    read = read_log(path)
+    assert read == written
+    assert state_hash(fold(read)) == state_hash(live)
+
+
+def test_writer_is_buffered_until_flush(tmp_path):
+    path = tmp_path / "b.jsonl"
+    ledger = ledger_in(PState.EXPORTED)
+    with LogWriter(path) as writer:
+        writer(HeartbeatReceived(RID, ledger.stream, 0, 1.0, from_engine="d"))
+        assert path.read_bytes() == b""
+        writer.flush()
+        assert path.read_bytes().count(b"\n") == 1
+
+
+def test_torn_last_line_is_dropped_with_a_warning_and_keeps_the_rest(tmp_path):
+    path, written, _ = _log_of(tmp_path, PState.FREED)
+    data = path.read_bytes()
+    path.write_bytes(data[:-25])  # crash mid-write of the last event
+    with capture_logs() as logs:
+        read = read_log(path)
+    assert read == written[:-1]
+    assert logs[0]["event"] == "eventlog.torn_last_line" and logs[0]["log_level"] == "warning"
+    assert logs[0]["line"] == len(written)
+
+
+def _corrupt(tmp_path, mutate):
+    path, written, _ = _log_of(tmp_path, PState.FREED)
+    lines = path.read_bytes().split(b"\n")[:-1]
+    mutate(lines)
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def _set(index, **changes):
+    def mutate(lines):
+        obj = orjson.loads(lines[index])
+        for k, v in changes.items():
+            if v is KeyError:
+                del obj[k]
+            else:
+                obj[k] = v
+        lines[index] = orjson.dumps(obj)
+    return mutate
+
+
+@pytest.mark.parametrize(("mutate", "line", "message"), [
+    (lambda lines: lines.__setitem__(1, b'{"v":1,"type":'), 2, "bad JSON"),
+    (lambda lines: lines.__setitem__(1, b"[1,2]"), 2, "expected an object"),
+    (_set(2, type="teleported"), 3, "unknown event type 'teleported'"),
+    (_set(2, v=7), 3, "schema version 7"),
+    (_set(1, lease_s="30"), 2, "field 'lease_s' must be number, found str"),
+    (_set(1, consumer_ranks=[0, "1"]), 2, "field 'consumer_ranks' must be list of int"),
+    (_set(3, consumer_rank=KeyError), 4, "missing field 'consumer_rank'"),
+    (_set(2, seq=5), 3, "sequence gap in stream prefill-0/P0: expected 2, found 5"),
+    (_set(2, seq=1), 3, "sequence repeat"),
+    (_set(0, side="X"), 1, "field 'side' must be P or D"),
+    (_set(0, rank="0"), 1, "field 'rank' must be int"),
+    (lambda lines: lines.insert(2, b""), 3, "bad JSON"),
+])
+def test_corrupt_lines_name_file_and_line(tmp_path, mutate, line, message):
+    path = _corrupt(tmp_path, mutate)
+    with pytest.raises(LogCorrupt) as info:
+        read_log(path)
+    assert info.value.path == str(path) and info.value.line == line
+    assert message in str(info.value)
+    assert str(info.value).startswith(f"{path}:{line}:")
+
+
+def test_several_logs_read_together(tmp_path):
+    p_path, p_events, _ = _log_of(tmp_path, PState.FREED, "p.jsonl")
+    d_path, d_events, _ = _log_of(tmp_path, DState.DONE, "d.jsonl")
+    assert read_logs([p_path, d_path]) == p_events + d_events

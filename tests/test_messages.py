@@ -1,0 +1,36 @@
+"""Wire notifications: round trip, and forged or garbled bytes get a typed error."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvhandoff.core.errors import MalformedMessage
+from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Release, decode, encode
+
+
+@pytest.mark.parametrize("msg", [
+    Release("req-1", "decode-0", 1),
+    Heartbeat("decode-0", 0, 12.5, ("a", "b")),
+    HeartbeatAck("prefill-0", 2, 12.5, {"a": 3.25, "b": -1.0, "c": 0.0}),
+])
+def test_round_trip(msg):
+    assert decode(encode(msg)) == msg
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    (b"req-1:2", "not JSON"),
+    (b"[1]", "must be an object"),
+    (b'{"v":2,"k":"rel"}', "unsupported wire version 2"),
+    (b'{"v":1,"k":"steal"}', "unknown notification kind 'steal'"),
+    (b'{"v":1,"k":"rel","engine":"d","rank":0}', "Release: missing field 'request_id'"),
+    (b'{"v":1,"k":"rel","engine":"d","rank":-1,"request_id":"r"}', "'rank' must be >= 0"),
+    (b'{"v":1,"k":"rel","engine":"d","rank":true,"request_id":"r"}', "'rank' must be int"),
+    (b'{"v":1,"k":"hb","engine":"d","rank":0,"sent_at":"x","request_ids":[]}',
+     "'sent_at' must be int or float"),
+    (b'{"v":1,"k":"hb","engine":"d","rank":0,"sent_at":1,"request_ids":[1]}', "hold strings"),
+    (b'{"v":1,"k":"ack","engine":"p","rank":0,"sent_at":1,"time_left":{"r":"x"}}',
+     "map request ids to numbers"),
+])
+def test_malformed_notifications_are_refused_with_the_reason(data, message):
+    with pytest.raises(MalformedMessage, match=message):
+        decode(data)

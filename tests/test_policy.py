@@ -1,0 +1,157 @@
+"""Policy from the fold: heartbeats, expiry, freeing, and when D may trust its bytes."""
+
+from __future__ import annotations
+
+import pytest
+from lifecycle_paths import D0, P0, RID, ledger_in
+
+from kvhandoff.core import policy
+from kvhandoff.core.events import (
+    ClientCancelled,
+    FinishedRecving,
+    Freed,
+    HeartbeatReceived,
+    LeaseAcknowledged,
+    LeaseExpired,
+    ReleaseNotified,
+    ReleaseSent,
+    SplitCompleted,
+    SplitFailed,
+)
+from kvhandoff.core.lifecycle import DState, PState, Verdict
+
+
+@pytest.mark.parametrize(("state", "due"), [
+    (DState.ADMITTED, True), (DState.VALIDATED, True), (DState.READING, True),
+    (DState.CANCELLED_READING, True), (DState.REJECTED, True), (DState.CANCELLED, True),
+    (DState.RECEIVED, False), (DState.FAILED, False), (DState.DONE, False),
+])
+def test_heartbeat_rule_by_state(state, due):
+    ledger = ledger_in(state)
+    assert policy.heartbeat_due(ledger.state, D0) == ({"prefill-0": [RID]} if due else {})
+
+
+def test_client_cancel_with_reads_in_flight_keeps_heartbeating_until_finished_recving():
+    ledger = ledger_in(DState.READING)
+    ledger.record(ClientCancelled, RID, 1.0)
+    assert policy.heartbeat_due(ledger.state, D0) == {"prefill-0": [RID]}
+    ledger.record(LeaseAcknowledged, RID, 1.1, p_rank=0, sent_at=1.0, time_left=9.0)
+    ledger.record(SplitCompleted, RID, 2.0, split=0)
+    assert policy.heartbeat_due(ledger.state, D0) == {"prefill-0": [RID]}
+    ledger.record(SplitCompleted, RID, 3.0, split=1)
+    assert policy.reads_to_report(ledger.state, D0) == [RID]
+    ledger.record(FinishedRecving, RID, 3.0)
+    assert policy.heartbeat_due(ledger.state, D0) == {}
+
+
+def test_notify_only_release_ends_heartbeats():
+    ledger = ledger_in(DState.CANCELLED)
+    ledger.record(ReleaseSent, RID, 1.0, notify_only=True)
+    assert policy.heartbeat_due(ledger.state, D0) == {}
+
+
+def test_lease_expiry_is_inclusive_of_the_deadline():
+    ledger = ledger_in(PState.EXPORTED)  # exported at t=0.002 with a 10 s lease
+    assert policy.expired_leases(ledger.state, P0, 10.0) == []
+    assert policy.expired_leases(ledger.state, P0, 10.002) == [RID]
+    ledger.record(HeartbeatReceived, RID, 9.0, from_engine="decode-0")
+    assert policy.expired_leases(ledger.state, P0, 10.002) == []
+    assert policy.expired_leases(ledger.state, P0, 19.0) == [RID]
+
+
+@pytest.mark.parametrize(("state", "free"), [
+    (PState.PREFILLING, False), (PState.EXPORTED, False), (PState.RELEASED, True),
+    (PState.EXPIRED, True), (PState.ABORTED, True), (PState.FREED, False),
+])
+def test_to_free(state, free):
+    assert policy.to_free(ledger_in(state).state, P0) == ([RID] if free else [])
+
+
+def test_free_after_all_consumer_ranks_notified_exactly_once():
+    ledger = ledger_in(PState.EXPORTED)
+    ledger.record(ReleaseNotified, RID, 1.0, from_engine="decode-0", consumer_rank=1)
+    ledger.record(ReleaseNotified, RID, 1.1, from_engine="decode-0", consumer_rank=1)
+    assert policy.to_free(ledger.state, P0) == []
+    ledger.record(ReleaseNotified, RID, 1.2, from_engine="decode-0", consumer_rank=0)
+    assert policy.to_free(ledger.state, P0) == [RID]
+    ledger.record(Freed, RID, 1.3)
+    assert policy.to_free(ledger.state, P0) == []
+    assert ledger.state.streams[P0].freed == 1
+
+
+@pytest.mark.parametrize(("state", "t", "left"), [
+    (PState.EXPORTED, 4.0, 6.002), (PState.EXPORTED, 11.0, -1.0), (PState.RELEASED, 4.0, 0.0),
+    (PState.FREED, 4.0, 0.0), (PState.EXPIRED, 200.0, -1.0), (PState.ABORTED, 1.0, -1.0),
+])
+def test_lease_time_left_answers_heartbeats(state, t, left):
+    assert policy.lease_time_left(ledger_in(state).state, P0, RID, t) == pytest.approx(left)
+
+
+def test_expired_then_freed_answers_gone():
+    ledger = ledger_in(PState.EXPORTED)
+    ledger.record(LeaseExpired, RID, 20.0)
+    ledger.record(Freed, RID, 20.0)
+    assert policy.lease_time_left(ledger.state, P0, RID, 21.0) == -1.0
+    assert policy.lease_time_left(ledger.state, P0, "never-seen", 21.0) == -1.0
+
+
+def _reading(*acks):
+    ledger = ledger_in(DState.READING)  # margin 0.5, two splits on P rank 0
+    for t, sent_at, left in acks:
+        ledger.record(LeaseAcknowledged, RID, t, p_rank=0, sent_at=sent_at, time_left=left)
+    return ledger
+
+
+def test_verdict_pending_while_reads_in_flight():
+    assert policy.read_verdict(_reading().state, D0, RID) is Verdict.PENDING
+
+
+def test_verdict_confirmed_when_reads_finish_inside_the_acknowledged_lease():
+    ledger = _reading((1.0, 0.9, 5.0))  # safe until 0.9 + 5.0 - 0.5 = 5.4
+    ledger.record(SplitCompleted, RID, 5.0, split=0)
+    ledger.record(SplitCompleted, RID, 5.4, split=1)
+    assert policy.read_verdict(ledger.state, D0, RID) is Verdict.CONFIRMED
+
+
+def test_verdict_waits_for_a_later_ack_when_a_read_finishes_after_the_proven_deadline():
+    ledger = _reading((1.0, 0.9, 5.0))
+    ledger.record(SplitCompleted, RID, 5.0, split=0)
+    ledger.record(SplitCompleted, RID, 6.0, split=1)
+    assert policy.read_verdict(ledger.state, D0, RID) is Verdict.PENDING
+    assert policy.reads_to_report(ledger.state, D0) == []
+    # heartbeat sent at 6.5 (after the read) answered "alive": P held the blocks throughout
+    ledger.record(LeaseAcknowledged, RID, 6.6, p_rank=0, sent_at=6.5, time_left=0.2)
+    assert policy.read_verdict(ledger.state, D0, RID) is Verdict.CONFIRMED
+
+
+def test_verdict_unsafe_when_p_says_gone_after_an_unproven_completion():
+    ledger = _reading((1.0, 0.9, 5.0))
+    ledger.record(SplitCompleted, RID, 5.0, split=0)
+    ledger.record(SplitCompleted, RID, 9.0, split=1)
+    ledger.record(LeaseAcknowledged, RID, 9.2, p_rank=0, sent_at=9.1, time_left=-1.0)
+    assert policy.read_verdict(ledger.state, D0, RID) is Verdict.UNSAFE
+    assert policy.reads_to_report(ledger.state, D0) == [RID]
+    ledger.record(FinishedRecving, RID, 9.3)
+    assert ledger.state.record(D0, RID).state is DState.FAILED
+
+
+def test_released_answer_confirms_every_read():
+    ledger = _reading((1.0, 0.9, 0.0))
+    ledger.record(SplitCompleted, RID, 50.0, split=0)
+    ledger.record(SplitCompleted, RID, 60.0, split=1)
+    assert policy.read_verdict(ledger.state, D0, RID) is Verdict.CONFIRMED
+
+
+def test_failed_split_still_waits_for_the_others_to_drain():
+    ledger = _reading((1.0, 0.9, 5.0))
+    ledger.record(SplitFailed, RID, 1.5, split=0, reason="remote disconnect")
+    assert policy.read_verdict(ledger.state, D0, RID) is Verdict.FAILED
+    assert policy.reads_to_report(ledger.state, D0) == []  # split 1 still owns the pages
+    assert policy.heartbeat_due(ledger.state, D0) == {"prefill-0": [RID]}
+    ledger.record(SplitCompleted, RID, 2.0, split=1)
+    assert policy.reads_to_report(ledger.state, D0) == [RID]
+
+
+def test_read_verdict_of_a_request_without_reads_is_a_key_error():
+    with pytest.raises(KeyError, match="no reads in progress"):
+        policy.read_verdict(ledger_in(DState.ADMITTED).state, D0, RID)
