@@ -14,7 +14,7 @@ with a warning and the events before it are kept.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import orjson
 import structlog
@@ -62,52 +62,82 @@ class LogWriter:
         self.close()
 
 
-def _checker(annotation: object) -> Callable[[object], object]:
-    """A converter that returns the field's value or raises TypeError naming the type."""
+def _field_spec(annotation: object) -> tuple[tuple[type, ...], str, object]:
+    """(accepted JSON types, name for errors, converter or None) of one event field."""
     if annotation is bool:
-        def check(v):
-            if type(v) is bool:
-                return v
-            raise TypeError("bool")
-    elif annotation is int:
-        def check(v):
-            if type(v) is int:
-                return v
-            raise TypeError("int")
-    elif annotation is float:
-        def check(v):
-            if type(v) is float or type(v) is int:
-                return float(v)
-            raise TypeError("number")
-    elif annotation is str:
-        def check(v):
-            if type(v) is str:
-                return v
-            raise TypeError("str")
-    else:  # tuple[int, ...]
-        def check(v):
-            if type(v) is list and all(type(x) is int for x in v):
-                return tuple(v)
-            raise TypeError("list of int")
-    return check
+        return (bool,), "bool", None
+    if annotation is int:
+        return (int,), "int", None
+    if annotation is float:
+        return (float, int), "number", float
+    if annotation is str:
+        return (str,), "str", None
+    return (list,), "list of int", _int_tuple  # tuple[int, ...]
+
+
+def _int_tuple(value: list) -> tuple[int, ...]:
+    for x in value:
+        if type(x) is not int:
+            raise TypeError
+    return tuple(value)
 
 
 _DECODERS = {
-    kind: (EVENT_TYPES[kind], tuple((name, _checker(ann)) for name, ann in extra))
+    kind: (EVENT_TYPES[kind], tuple((name, *_field_spec(ann)) for name, ann in extra))
     for kind, extra in EXTRA_FIELDS.items()
 }
-_HEADER = (("rid", str), ("engine", str), ("side", str), ("rank", int), ("seq", int))
+_HEADER = (("rid", (str,), "str"), ("engine", (str,), "str"), ("side", (str,), "str"),
+           ("rank", (int,), "int"), ("seq", (int,), "int"), ("t", (float, int), "number"))
 _SIDES = {s.value: s for s in Side}
 
 
 class _Reader:
-    """Decodes lines of one or more files, keeping per-stream sequence checks across them."""
+    """Decodes lines of one or more files, keeping per-stream sequence checks across them.
+
+    ``decode`` takes a fast path for well-formed lines; anything unexpected
+    goes to ``_diagnose``, which finds the first thing wrong and names it.
+    """
 
     def __init__(self) -> None:
         self.streams: dict[tuple, Stream] = {}
         self.last_seq: dict[Stream, int] = {}
 
-    def decode(self, raw: bytes, path: str, lineno: int) -> Event:
+    def decode(self, raw: bytes, path: str, lineno: int, obj: object = None) -> Event:
+        try:
+            if obj is None:
+                obj = orjson.loads(raw)
+            decoder = _DECODERS[obj["type"]]
+            rid, seq, t = obj["rid"], obj["seq"], obj["t"]
+            skey = (obj["engine"], obj["side"], obj["rank"])
+            stream = self.streams[skey]
+            cls, extras = decoder
+            values = []
+            for name, types, _, convert in extras:
+                v = obj[name]
+                if type(v) not in types:
+                    raise TypeError
+                values.append(v if convert is None else convert(v))
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return self._diagnose(raw, path, lineno)
+        if (obj["v"] != SCHEMA_VERSION or type(rid) is not str or type(seq) is not int
+                or (type(t) is not float and type(t) is not int)):
+            return self._diagnose(raw, path, lineno)
+        last_seq = self.last_seq
+        if seq != last_seq.get(stream, -1) + 1:
+            self._check_seq(stream, seq, path, lineno)
+        last_seq[stream] = seq
+        return cls(rid, stream, seq, float(t), *values)
+
+    def _check_seq(self, stream: Stream, seq: int, path: str, lineno: int) -> None:
+        expected = self.last_seq.get(stream, -1) + 1
+        if seq != expected:
+            what = "repeat" if seq < expected else "gap"
+            raise LogCorrupt(path, lineno, f"sequence {what} in stream {stream}: "
+                                           f"expected {expected}, found {seq}")
+        self.last_seq[stream] = seq
+
+    def _diagnose(self, raw: bytes, path: str, lineno: int) -> Event:
+        """The slow, careful path: raise LogCorrupt naming what is wrong, or decode."""
         try:
             obj = orjson.loads(raw)
         except orjson.JSONDecodeError as e:
@@ -122,38 +152,32 @@ class _Reader:
         if decoder is None:
             raise LogCorrupt(path, lineno, f"unknown event type {kind!r}")
         cls, extras = decoder
-        for name, typ in _HEADER:
+        for name, types, type_name in _HEADER:
             v = obj.get(name)
-            if type(v) is not typ:
-                raise LogCorrupt(path, lineno, f"field {name!r} must be {typ.__name__}, "
+            if type(v) not in types:
+                raise LogCorrupt(path, lineno, f"field {name!r} must be {type_name}, "
                                                f"found {type(v).__name__}")
-        t = obj.get("t")
-        if type(t) is not float and type(t) is not int:
-            raise LogCorrupt(path, lineno, f"field 't' must be a number, found {type(t).__name__}")
         side = _SIDES.get(obj["side"])
         if side is None:
             raise LogCorrupt(path, lineno, f"field 'side' must be P or D, found {obj['side']!r}")
-        skey = (obj["engine"], side, obj["rank"])
-        stream = self.streams.get(skey)
-        if stream is None:
-            stream = self.streams[skey] = Stream(*skey)
         values = []
-        for name, check in extras:
+        for name, types, type_name, convert in extras:
             if name not in obj:
                 raise LogCorrupt(path, lineno, f"{kind}: missing field {name!r}")
+            v = obj[name]
             try:
-                values.append(check(obj[name]))
-            except TypeError as e:
-                raise LogCorrupt(path, lineno, f"{kind}: field {name!r} must be {e}, "
-                                               f"found {type(obj[name]).__name__}") from None
-        seq = obj["seq"]
-        expected = self.last_seq.get(stream, -1) + 1
-        if seq != expected:
-            what = "repeat" if seq < expected else "gap"
-            raise LogCorrupt(path, lineno, f"sequence {what} in stream {stream}: "
-                                           f"expected {expected}, found {seq}")
-        self.last_seq[stream] = seq
-        return cls(obj["rid"], stream, seq, float(t), *values)
+                if type(v) not in types:
+                    raise TypeError
+                values.append(v if convert is None else convert(v))
+            except TypeError:
+                raise LogCorrupt(path, lineno, f"{kind}: field {name!r} must be {type_name}, "
+                                               f"found {type(v).__name__}") from None
+        skey = (obj["engine"], obj["side"], obj["rank"])
+        stream = self.streams.get(skey)
+        if stream is None:
+            stream = self.streams[skey] = Stream(obj["engine"], side, obj["rank"])
+        self._check_seq(stream, obj["seq"], path, lineno)
+        return cls(obj["rid"], stream, obj["seq"], float(obj["t"]), *values)
 
     def read(self, path: str | os.PathLike) -> list[Event]:
         path = os.fspath(path)
@@ -161,7 +185,15 @@ class _Reader:
             data = f.read()
         lines = data.split(b"\n")
         torn = lines.pop()  # b"" when the file ends with a newline
-        events = [self.decode(raw, path, i) for i, raw in enumerate(lines, 1)]
+        try:  # one parse for the whole file; on any error, line by line to name the line
+            objs = orjson.loads(b"[" + b",".join(lines) + b"]")
+        except orjson.JSONDecodeError:
+            objs = [None] * len(lines)
+        if len(objs) != len(lines):  # a line held several values or none: find it
+            objs = [None] * len(lines)
+        decode = self.decode
+        events = [decode(raw, path, i, obj)
+                  for i, (raw, obj) in enumerate(zip(lines, objs, strict=True), 1)]
         if torn:
             try:
                 events.append(self.decode(torn, path, len(lines) + 1))
