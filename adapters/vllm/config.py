@@ -1,0 +1,122 @@
+"""Connector settings, read from ``kv_connector_extra_config``.
+
+Every setting has a documented default (docs/operator-guide.md repeats this
+table).  Unknown keys and values of the wrong type are refused at start-up
+with `ConnectorConfigError`, never discovered mid-request.
+
+| key                    | default             | meaning                                              |
+|------------------------|---------------------|------------------------------------------------------|
+| lease_s                | 30.0                | P keeps exported blocks this long without a heartbeat |
+| heartbeat_interval_s   | lease_s / 6         | D heartbeats each P engine this often                |
+| lease_margin_s         | min(1.0, lease_s/10)| D's safety margin on P's reported time left          |
+| read_timeout_s         | 30.0                | a READ still in flight after this is failed          |
+| failure_policy         | vLLM's kv_load_failure_policy | fail | recompute (must agree with vLLM's) |
+| log_dir                | a new temp dir      | where each engine writes its event log               |
+| side_channel_host      | $VLLM_NIXL_SIDE_CHANNEL_HOST or 127.0.0.1 | P's metadata listener (advertised to D) |
+| side_channel_port      | $VLLM_NIXL_SIDE_CHANNEL_PORT or 5600 | P's listener port (+ TP rank)      |
+| handshake_timeout_s    | 5.0                 | D gives up on an unreachable P after this            |
+| notif_poll_s           | 0.002               | P's notification poll period while leases are live   |
+| idle_poll_s            | 0.05                | P's notification poll period with no live lease      |
+| debug_read_delay_s     | 0.0                 | tests only: hold each READ's completion this long    |
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+class ConnectorConfigError(ValueError):
+    """A ``kv_connector_extra_config`` value that cannot be used; names key, expected, found."""
+
+    def __init__(self, key: str, expected: str, found: object) -> None:
+        self.key, self.expected, self.found = key, expected, found
+        super().__init__(f"kv_connector_extra_config[{key!r}]: expected {expected}, found {found!r}")
+
+
+class UnsupportedTopology(RuntimeError):
+    """A deployment the connector cannot serve, refused at engine start-up."""
+
+
+FAILURE_POLICIES = ("fail", "recompute")
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffConfig:
+    lease_s: float = 30.0
+    heartbeat_interval_s: float = 5.0
+    lease_margin_s: float = 1.0
+    read_timeout_s: float = 30.0
+    failure_policy: str = "fail"
+    log_dir: str = ""
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 5600
+    handshake_timeout_s: float = 5.0
+    notif_poll_s: float = 0.002
+    idle_poll_s: float = 0.05
+    debug_read_delay_s: float = 0.0
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None, vllm_failure_policy: str = "fail",
+                   env: dict[str, str] | None = None) -> HandoffConfig:
+        env = os.environ if env is None else env
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        # vLLM's own NixlConnector keys may share the dict in mixed fleets; ignore those.
+        foreign = {"kv_lease_duration", "kv_recompute_threshold", "backends"}
+        for key in extra:
+            if key not in known and key not in foreign:
+                raise ConnectorConfigError(key, f"one of {sorted(known)}", key)
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in extra:
+                continue
+            v = extra[f.name]
+            if f.type in ("float", float):
+                if isinstance(v, bool) or not isinstance(v, int | float):
+                    raise ConnectorConfigError(f.name, "a number", v)
+                v = float(v)
+            elif f.type in ("int", int):
+                if isinstance(v, bool) or not isinstance(v, int):
+                    raise ConnectorConfigError(f.name, "an integer", v)
+            elif not isinstance(v, str):
+                raise ConnectorConfigError(f.name, "a string", v)
+            values[f.name] = v
+        defaults = {f.name: f.default for f in fields(cls)}
+        lease = values.get("lease_s", defaults["lease_s"])
+        if lease <= 0:
+            raise ConnectorConfigError("lease_s", "> 0", lease)
+        values.setdefault("heartbeat_interval_s", lease / 6)
+        values.setdefault("lease_margin_s", min(1.0, lease / 10))
+        policy = values.setdefault("failure_policy", vllm_failure_policy)
+        if policy not in FAILURE_POLICIES:
+            raise ConnectorConfigError("failure_policy", " | ".join(FAILURE_POLICIES), policy)
+        if policy != vllm_failure_policy:
+            # vLLM's scheduler applies the policy to failed loads; two
+            # different answers would make the log lie about what happened.
+            raise ConnectorConfigError(
+                "failure_policy", f"{vllm_failure_policy!r} (kv_transfer_config.kv_load_failure_policy)",
+                policy)
+        if values["heartbeat_interval_s"] <= 0 or values["heartbeat_interval_s"] >= lease:
+            raise ConnectorConfigError("heartbeat_interval_s", f"> 0 and < lease_s ({lease})",
+                                       values["heartbeat_interval_s"])
+        if not 0 <= values["lease_margin_s"] < lease:
+            raise ConnectorConfigError("lease_margin_s", f">= 0 and < lease_s ({lease})",
+                                       values["lease_margin_s"])
+        for key in ("read_timeout_s", "handshake_timeout_s", "notif_poll_s", "idle_poll_s"):
+            if values.get(key, defaults[key]) <= 0:
+                raise ConnectorConfigError(key, "> 0", values[key])
+        if values.get("debug_read_delay_s", 0.0) < 0:
+            raise ConnectorConfigError("debug_read_delay_s", ">= 0", values["debug_read_delay_s"])
+        values.setdefault("side_channel_host", env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"))
+        if "side_channel_port" not in values:
+            try:
+                values["side_channel_port"] = int(env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))
+            except ValueError:
+                raise ConnectorConfigError("side_channel_port", "an integer (from the environment)",
+                                           env.get("VLLM_NIXL_SIDE_CHANNEL_PORT")) from None
+        if not values.get("log_dir"):
+            values["log_dir"] = tempfile.mkdtemp(prefix="kvhandoff-events-")
+        return cls(**values)

@@ -1,0 +1,194 @@
+"""`KVHandoffConnector`: the vLLM ``KVConnectorBase_V1`` facade.
+
+vLLM builds one instance in the scheduler (role SCHEDULER) and one per worker
+(role WORKER); each forwards to `HandoffScheduler` or `HandoffWorker`.
+Topologies the connector cannot serve are refused here, at engine start-up:
+pipeline parallelism, decode/prefill context parallelism, ``kv_both``,
+several KV cache groups (hybrid models), MLA, and caches that are not
+block-major.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from kvhandoff.adapters.vllm import stats as kstats
+from kvhandoff.adapters.vllm.config import HandoffConfig, UnsupportedTopology
+from kvhandoff.adapters.vllm.metadata import metadata_class
+from kvhandoff.adapters.vllm.scheduler import HandoffScheduler
+from kvhandoff.adapters.vllm.worker import HandoffWorker
+from kvhandoff.core.events import Side
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = structlog.get_logger(__name__)
+
+KVHandoffMetadata = metadata_class()
+KVHandoffStats = kstats.stats_class()
+
+_WORKERS: weakref.WeakSet[HandoffWorker] = weakref.WeakSet()
+
+
+def flush_all_logs() -> list[str]:
+    """Flush every live worker's event log in this process; return their paths."""
+    return sorted(w.flush() for w in list(_WORKERS))
+
+
+def stats_snapshot() -> dict[str, Any]:
+    """Cumulative connector counters of the workers in this process."""
+    out: dict[str, Any] = {}
+    for w in list(_WORKERS):
+        w.take_stats()
+        out[w.log_path] = kstats.summarize(w.total)
+    return out
+
+
+def _check_topology(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
+    par = vllm_config.parallel_config
+    kvt = vllm_config.kv_transfer_config
+    problems = []
+    if par.pipeline_parallel_size != 1:
+        problems.append(f"pipeline_parallel_size={par.pipeline_parallel_size} (needs 1)")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = getattr(par, name, 1)
+        if size != 1:
+            problems.append(f"{name}={size} (needs 1)")
+    if kvt.kv_role not in ("kv_producer", "kv_consumer"):
+        problems.append(f"kv_role={kvt.kv_role!r} (kv_producer on P, kv_consumer on D)")
+    if not kvt.engine_id:
+        problems.append("kv_transfer_config.engine_id is empty")
+    model = vllm_config.model_config
+    if model is not None and getattr(model, "use_mla", False):
+        problems.append("MLA attention (not supported yet)")
+    if kv_cache_config is not None:
+        groups = getattr(kv_cache_config, "kv_cache_groups", [])
+        if len(groups) != 1:
+            problems.append(f"{len(groups)} KV cache groups (hybrid models are not supported yet)")
+    if problems:
+        raise UnsupportedTopology("KVHandoffConnector cannot serve this engine: " + "; ".join(problems))
+
+
+class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        _check_topology(vllm_config, kv_cache_config)
+        kvt = vllm_config.kv_transfer_config
+        self.cfg = HandoffConfig.from_extra(kvt.kv_connector_extra_config,
+                                            kvt.kv_load_failure_policy)
+        self.engine_id: str = kvt.engine_id
+        self.producer = kvt.kv_role == "kv_producer"
+        par = vllm_config.parallel_config
+        self.scheduler: HandoffScheduler | None = None
+        self.worker: HandoffWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = HandoffScheduler(self.cfg, self.engine_id, self.producer,
+                                              vllm_config.cache_config.block_size,
+                                              par.tensor_parallel_size)
+            # The issue asks for the log location at start; stderr, not stdout
+            # (NIXL owns stdout).
+            print(f"kvhandoff: {self.engine_id} ({'P' if self.producer else 'D'}) event logs in "
+                  f"{self.cfg.log_dir}", file=sys.stderr, flush=True)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            model = vllm_config.model_config
+            compat = {
+                "model": str(model.model), "dtype": str(model.dtype),
+                "block_size": vllm_config.cache_config.block_size,
+                "num_kv_heads": model.get_total_num_kv_heads(),
+                "head_size": model.get_head_size(),
+                "num_layers": model.get_total_num_hidden_layers(),
+                "tp_size": par.tensor_parallel_size,
+            }
+            self.worker = HandoffWorker(self.cfg, self.engine_id,
+                                        Side.P if self.producer else Side.D,
+                                        get_tensor_model_parallel_rank(),
+                                        par.tensor_parallel_size, compat)
+            _WORKERS.add(self.worker)
+
+    # ---- class-level hooks ------------------------------------------------
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return KVHandoffStats(data=data) if data is not None else KVHandoffStats()
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+
+    # ---- scheduler side ---------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        self.scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return KVHandoffMetadata(self.scheduler.build_plan())
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.scheduler.update_connector_output(connector_output.finished_recving)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    # ---- worker side ------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        self.worker.start_step(meta.plan if isinstance(meta, KVHandoffMetadata) else None)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # the whole request is loaded before it is scheduled
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # pull model: D reads; P saves nothing
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self.worker.finish_step()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def get_kv_connector_stats(self) -> Any:
+        if self.worker is None:
+            return None
+        data = self.worker.take_stats()
+        stats = KVHandoffStats(data=data)
+        return None if stats.is_empty() else stats
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()

@@ -1,0 +1,73 @@
+"""What the scheduler half tells the worker half each step.
+
+Plain data (vLLM ships it to worker processes with its own serializer).  The
+scheduler never decides lifecycle steps itself: it reports what vLLM did
+(a request arrived, got blocks, finished, was aborted) and the worker's fold
+decides what that means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class Admit:
+    """D: a request with remote-prefill params arrived (``params`` already parsed, or ``error``)."""
+
+    local_id: str
+    params: dict[str, Any] | None
+    error: str
+    num_prompt_tokens: int
+
+
+@dataclass(slots=True)
+class Read:
+    """D: vLLM allocated ``local_block_ids`` (one list per KV cache group) for the request.
+
+    ``awaiting`` is False for a full local prefix hit: nothing to read, the
+    scheduler is not waiting for a completion.
+    """
+
+    local_id: str
+    local_block_ids: list[list[int]]
+    awaiting: bool = True
+
+
+@dataclass(slots=True)
+class Export:
+    """P: prefill finished; ``num_blocks`` blocks stay pinned under a lease."""
+
+    request_id: str
+    num_blocks: int
+
+
+def _new_list() -> list:
+    return []
+
+
+@dataclass(slots=True)
+class StepPlan:
+    # P
+    prefill_started: list[str] = field(default_factory=_new_list)
+    exports: list[Export] = field(default_factory=_new_list)
+    aborted: list[str] = field(default_factory=_new_list)
+    # D
+    admits: list[Admit] = field(default_factory=_new_list)
+    reads: list[Read] = field(default_factory=_new_list)
+    cancels: list[str] = field(default_factory=_new_list)
+
+    def empty(self) -> bool:
+        return not (self.prefill_started or self.exports or self.aborted or self.admits
+                    or self.reads or self.cancels)
+
+
+def metadata_class() -> type:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+    class KVHandoffMetadata(KVConnectorMetadata):
+        def __init__(self, plan: StepPlan) -> None:
+            self.plan = plan
+
+    return KVHandoffMetadata

@@ -1,0 +1,113 @@
+"""``kv_transfer_params``: what P hands the router and the router hands D.
+
+P emits them from ``request_finished``; the router passes them to D
+unchanged; D parses them here before anything else touches them.  The field
+names follow vLLM's NixlConnector so routers written for it need no change.
+Anything missing, of the wrong type or out of range raises
+`MalformedTransferParams` naming the field: that request fails, the engine
+keeps serving.  Range checks that need P's geometry (block ids against P's
+pool) happen after the handshake, in the worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvhandoff.core.errors import MalformedMessage
+
+PROTOCOL = "kvhandoff/1"
+
+
+class MalformedTransferParams(MalformedMessage):
+    """kv_transfer_params that do not describe a remote prefill."""
+
+
+@dataclass(frozen=True, slots=True)
+class RemotePrefill:
+    """A parsed, type-checked remote prefill as D sees it."""
+
+    engine_id: str
+    request_id: str
+    host: str
+    port: int
+    tp_size: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    lease_s: float
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "do_remote_prefill": True, "do_remote_decode": False, "protocol": PROTOCOL,
+            "remote_engine_id": self.engine_id, "remote_request_id": self.request_id,
+            "remote_host": self.host, "remote_port": self.port, "tp_size": self.tp_size,
+            "pp_size": 1, "dcp_size": 1, "remote_block_ids": [list(self.block_ids)],
+            "remote_num_tokens": self.num_tokens, "lease_s": self.lease_s,
+        }
+
+
+def _get(params: dict[str, Any], name: str, kind: type) -> Any:
+    if name not in params:
+        raise MalformedTransferParams(f"kv_transfer_params: missing field {name!r}")
+    v = params[name]
+    if isinstance(v, bool) or not isinstance(v, kind):
+        raise MalformedTransferParams(
+            f"kv_transfer_params[{name!r}]: expected {kind.__name__}, found {type(v).__name__} {v!r}")
+    return v
+
+
+def wants_remote_prefill(params: Any) -> bool:
+    return isinstance(params, dict) and params.get("do_remote_prefill") is True
+
+
+def wants_remote_decode(params: Any) -> bool:
+    return isinstance(params, dict) and params.get("do_remote_decode") is True
+
+
+def parse_remote_prefill(params: Any, max_block_id: int = 1 << 31) -> RemotePrefill:
+    """Parse D's ``kv_transfer_params``; raise `MalformedTransferParams` naming the field."""
+    if not isinstance(params, dict):
+        raise MalformedTransferParams(
+            f"kv_transfer_params: expected an object, found {type(params).__name__}")
+    if params.get("protocol", PROTOCOL) != PROTOCOL:
+        raise MalformedTransferParams(
+            f"kv_transfer_params['protocol']: expected {PROTOCOL!r}, found {params.get('protocol')!r}"
+            " (were these produced by another connector?)")
+    engine = _get(params, "remote_engine_id", str)
+    rid = _get(params, "remote_request_id", str)
+    host = _get(params, "remote_host", str)
+    port = _get(params, "remote_port", int)
+    tp = _get(params, "tp_size", int)
+    num_tokens = _get(params, "remote_num_tokens", int)
+    lease = params.get("lease_s", 30.0)
+    for name, value in (("remote_engine_id", engine), ("remote_request_id", rid),
+                        ("remote_host", host)):
+        if not value or len(value) > 256:
+            raise MalformedTransferParams(f"kv_transfer_params[{name!r}]: empty or longer than 256")
+    if not 0 < port < 65536:
+        raise MalformedTransferParams(f"kv_transfer_params['remote_port']: expected 1..65535, found {port}")
+    if tp < 1:
+        raise MalformedTransferParams(f"kv_transfer_params['tp_size']: expected >= 1, found {tp}")
+    if num_tokens < 1:
+        raise MalformedTransferParams(
+            f"kv_transfer_params['remote_num_tokens']: expected >= 1, found {num_tokens}")
+    if isinstance(lease, bool) or not isinstance(lease, int | float) or lease <= 0:
+        raise MalformedTransferParams(f"kv_transfer_params['lease_s']: expected a number > 0, found {lease!r}")
+    groups = _get(params, "remote_block_ids", list)
+    if len(groups) != 1 or not isinstance(groups[0], list):
+        raise MalformedTransferParams(
+            "kv_transfer_params['remote_block_ids']: expected one list of block ids "
+            f"(one KV cache group), found {len(groups)} entries")
+    ids = groups[0]
+    for i, b in enumerate(ids):
+        if isinstance(b, bool) or not isinstance(b, int):
+            raise MalformedTransferParams(
+                f"kv_transfer_params['remote_block_ids'][0][{i}]: expected int, found {type(b).__name__}")
+        if not 0 <= b < max_block_id:
+            raise MalformedTransferParams(
+                f"kv_transfer_params['remote_block_ids'][0][{i}]: expected 0..{max_block_id - 1}, found {b}")
+    if len(set(ids)) != len(ids):
+        raise MalformedTransferParams("kv_transfer_params['remote_block_ids']: duplicate block ids")
+    if not ids:
+        raise MalformedTransferParams("kv_transfer_params['remote_block_ids']: empty")
+    return RemotePrefill(engine, rid, host, port, tp, tuple(ids), num_tokens, float(lease))

@@ -1,0 +1,154 @@
+"""The scheduler half: tell vLLM what it must know, tell the worker what vLLM did.
+
+It decides nothing about leases, heartbeats or releases (the worker's fold
+does); it answers vLLM's questions from the request's own state:
+
+* D, ``get_num_new_matched_tokens``: a remote-prefill request loads its whole
+  prompt asynchronously (malformed params too: the worker then fails it
+  through ``failed_recving``, so that request errors and the engine goes on).
+* D, ``request_finished``: if reads were handed to the worker and have not
+  reported ``finished_recving``, vLLM must keep the destination blocks
+  (``delay_free``) until they drain; the worker is told of the cancel.
+* P, ``request_finished``: a completed prefill is exported (blocks held,
+  ``delay_free``) and its ``kv_transfer_params`` returned for the router; a
+  prefill that ended otherwise is reported as aborted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from kvhandoff.adapters.vllm import timing
+from kvhandoff.adapters.vllm.config import HandoffConfig
+from kvhandoff.adapters.vllm.metadata import Admit, Export, Read, StepPlan
+from kvhandoff.adapters.vllm.params import (
+    PROTOCOL,
+    MalformedTransferParams,
+    parse_remote_prefill,
+)
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class _Track:
+    read_sent: bool = False
+    awaiting: bool = False
+
+
+def _is_remote_prefill(params: Any) -> bool:
+    return isinstance(params, dict) and params.get("do_remote_prefill") not in (None, False)
+
+
+def _is_remote_decode(params: Any) -> bool:
+    return isinstance(params, dict) and params.get("do_remote_decode") is True
+
+
+class HandoffScheduler:
+    def __init__(self, cfg: HandoffConfig, engine_id: str, producer: bool, block_size: int,
+                 tp_size: int) -> None:
+        self.cfg, self.engine_id, self.producer = cfg, engine_id, producer
+        self.block_size, self.tp_size = block_size, tp_size
+        self._plan = StepPlan()
+        self._p: dict[str, bool] = {}  # P: request id -> prefill started
+        self._d: dict[str, _Track] = {}  # D: request id -> track
+
+    # ---- common -----------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        params = request.kv_transfer_params
+        rid = request.request_id
+        if self.producer:
+            if _is_remote_decode(params):
+                self._p[rid] = False
+            return
+        if params is None or not (_is_remote_prefill(params) or not isinstance(params, dict)):
+            return
+        error = ""
+        wire: dict[str, Any] | None = None
+        try:
+            if params.get("do_remote_prefill") is not True:
+                raise MalformedTransferParams(
+                    f"kv_transfer_params['do_remote_prefill']: expected true, "
+                    f"found {params.get('do_remote_prefill')!r}")
+            wire = parse_remote_prefill(params).to_wire()
+        except (MalformedTransferParams, AttributeError) as exc:
+            error = str(exc) if isinstance(exc, MalformedTransferParams) else (
+                f"kv_transfer_params: expected an object, found {type(params).__name__}")
+            log.error("vllm.scheduler.malformed_transfer_params", request_id=rid, error=error)
+        self._d[rid] = _Track()
+        self._plan.admits.append(Admit(rid, wire, error, len(request.prompt_token_ids or ())))
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        track = self._d.get(request.request_id)
+        if track is None or track.read_sent:
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        if self.producer:
+            if self._p.get(rid) is False:
+                self._p[rid] = True
+                self._plan.prefill_started.append(rid)
+            return
+        track = self._d.get(rid)
+        if track is None or track.read_sent:
+            return
+        track.read_sent = True
+        track.awaiting = num_external_tokens > 0
+        ids = [list(g) for g in blocks.get_block_ids()] if track.awaiting else []
+        if track.awaiting:
+            timing.note(rid, "scheduled")
+        self._plan.reads.append(Read(rid, ids, track.awaiting))
+
+    def build_plan(self) -> StepPlan:
+        plan, self._plan = self._plan, StepPlan()
+        return plan
+
+    def update_connector_output(self, finished_recving: set[str] | None) -> None:
+        for rid in finished_recving or ():
+            timing.note(rid, "recved")
+            track = self._d.get(rid)
+            if track is not None:
+                track.awaiting = False
+
+    def request_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        rid = request.request_id
+        if self.producer:
+            if rid not in self._p:
+                return False, None
+            started = self._p.pop(rid)
+            done = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED,
+                                      RequestStatus.FINISHED_STOPPED)
+            blocks = list(block_ids[0]) if block_ids else []
+            if done and blocks:
+                self._plan.exports.append(Export(rid, len(blocks)))
+                return True, {
+                    "do_remote_prefill": True, "do_remote_decode": False, "protocol": PROTOCOL,
+                    "remote_engine_id": self.engine_id, "remote_request_id": rid,
+                    "remote_host": self.cfg.side_channel_host,
+                    "remote_port": self.cfg.side_channel_port, "tp_size": self.tp_size,
+                    "pp_size": 1, "dcp_size": 1, "remote_block_ids": [blocks],
+                    "remote_num_tokens": request.num_computed_tokens, "lease_s": self.cfg.lease_s,
+                }
+            if started:
+                self._plan.aborted.append(rid)
+            return False, None
+        track = self._d.pop(rid, None)
+        if track is None:
+            return False, None
+        if track.awaiting:
+            # Reads in flight own D's destination blocks: keep them until the
+            # worker reports finished_recving (it keeps heartbeating P too).
+            self._plan.cancels.append(rid)
+            return True, None
+        if not track.read_sent:
+            self._plan.cancels.append(rid)  # never read: the worker sends a notify-only release
+        return False, None

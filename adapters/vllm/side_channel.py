@@ -1,0 +1,145 @@
+"""The side channel: D and P swap agent metadata and check they can talk.
+
+One ZMQ round trip per (D rank, P rank) pair.  D sends a hello and its own
+agent metadata; P checks compatibility, adds D as a peer (so it can answer
+heartbeats) and replies with its hello and metadata; D checks again.  Frames
+are a JSON header (orjson) and the raw NIXL metadata bytes: nothing on this
+wire is ever unpickled.
+
+A mismatch in anything that decides the byte layout of a block (model,
+dtype, block size, cache layout, KV heads, head size, layers, TP size, bytes
+per block, number of regions) is a `PeerIncompatible` naming the field and
+both values.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+import structlog
+
+from kvhandoff.core.errors import GeometryMismatch
+
+log = structlog.get_logger(__name__)
+
+WIRE = "kvhandoff-side/1"
+COMPAT_FIELDS = ("model", "dtype", "cache_dtype", "block_size", "layout", "num_kv_heads",
+                 "head_size", "num_layers", "tp_size", "block_bytes", "num_regions")
+
+
+class PeerIncompatible(GeometryMismatch):
+    """The peer's KV layout cannot be paired with ours."""
+
+
+class HandshakeFailed(RuntimeError):
+    """The peer did not answer, or answered something that is not a hello."""
+
+
+def check_compatible(local: dict[str, Any], remote: dict[str, Any], peer: str) -> None:
+    for name in COMPAT_FIELDS:
+        if local.get(name) != remote.get(name):
+            raise PeerIncompatible(f"peer {peer}: {name}", expected=local.get(name),
+                                   found=remote.get(name))
+
+
+def _hello(engine_id: str, rank: int, compat: dict[str, Any], **extra: Any) -> bytes:
+    return orjson.dumps({"wire": WIRE, "engine_id": engine_id, "rank": rank, "compat": compat,
+                         **extra})
+
+
+def _parse_hello(frame: bytes, who: str) -> dict[str, Any]:
+    try:
+        hello = orjson.loads(frame)
+    except orjson.JSONDecodeError as exc:
+        raise HandshakeFailed(f"{who}: hello is not JSON: {exc}") from None
+    if not isinstance(hello, dict) or hello.get("wire") != WIRE:
+        raise HandshakeFailed(f"{who}: not a {WIRE} hello")
+    if not isinstance(hello.get("engine_id"), str) or not isinstance(hello.get("compat"), dict):
+        raise HandshakeFailed(f"{who}: hello lacks engine_id/compat")
+    return hello
+
+
+class SideChannelServer:
+    """P's listener.  ``on_hello(hello, metadata) -> (reply_extra, our_metadata)``."""
+
+    def __init__(self, host: str, port: int, engine_id: str, rank: int, compat: dict[str, Any],
+                 on_hello: Callable[[dict[str, Any], bytes], bytes]) -> None:
+        import zmq
+
+        self.engine_id, self.rank, self.compat = engine_id, rank, compat
+        self.on_hello = on_hello
+        self._stop = threading.Event()
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVTIMEO, 200)
+        bind_host = "*" if host in ("0.0.0.0", "") else host
+        self._sock.bind(f"tcp://{bind_host}:{port}")
+        self.address = f"{host}:{port}"
+        self._thread = threading.Thread(target=self._serve, name="kvhandoff-side-channel",
+                                        daemon=True)
+        self._thread.start()
+        log.info("vllm.side_channel.listening", address=self.address, engine=engine_id, rank=rank)
+
+    def _serve(self) -> None:
+        import zmq
+
+        while not self._stop.is_set():
+            try:
+                frames = self._sock.recv_multipart()
+            except zmq.Again:
+                continue
+            except zmq.ZMQError:
+                break
+            if len(frames) != 4:
+                log.warning("vllm.side_channel.bad_frames", frames=len(frames))
+                continue
+            ident, _, header, metadata = frames
+            try:
+                hello = _parse_hello(header, "side channel")
+                check_compatible(self.compat, hello["compat"], hello["engine_id"])
+                ours = self.on_hello(hello, metadata)
+                reply = _hello(self.engine_id, self.rank, self.compat, ok=True)
+            except Exception as exc:  # every refusal is answered, never raised into the engine
+                log.warning("vllm.side_channel.refused", error=str(exc), error_type=type(exc).__name__)
+                ours = b""
+                reply = _hello(self.engine_id, self.rank, self.compat, ok=False,
+                               error=f"{type(exc).__name__}: {exc}")
+            try:
+                self._sock.send_multipart([ident, b"", reply, ours])
+            except zmq.ZMQError as exc:
+                log.warning("vllm.side_channel.reply_failed", error=str(exc))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._sock.close()
+
+
+def handshake(host: str, port: int, engine_id: str, rank: int, compat: dict[str, Any],
+              metadata: bytes, timeout_s: float) -> tuple[dict[str, Any], bytes]:
+    """D's side: send our hello + metadata, return P's hello and metadata.
+
+    Raises `HandshakeFailed` (no answer / refused) or `PeerIncompatible`.
+    """
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(f"tcp://{host}:{port}")
+        sock.send_multipart([b"", _hello(engine_id, rank, compat), metadata])
+        if not sock.poll(int(timeout_s * 1e3), zmq.POLLIN):
+            raise HandshakeFailed(f"no answer from {host}:{port} within {timeout_s:.1f}s")
+        frames = sock.recv_multipart()
+    finally:
+        sock.close()
+    if len(frames) != 3:
+        raise HandshakeFailed(f"{host}:{port}: malformed reply ({len(frames)} frames)")
+    hello = _parse_hello(frames[1], f"{host}:{port}")
+    if not hello.get("ok"):
+        raise HandshakeFailed(f"{host}:{port} refused the handshake: {hello.get('error')}")
+    check_compatible(compat, hello["compat"], hello["engine_id"])
+    return hello, frames[2]

@@ -1,0 +1,67 @@
+"""Connector metrics, carried by vLLM's ``KVConnectorStats`` from worker to logger.
+
+Counters only (plus the per-read durations needed for GB/s), so aggregation
+across workers and intervals is a sum.  ``CumulativeStats`` keeps the same
+counters for the life of the worker, for the demo and the benchmark.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+COUNTERS = (
+    "leases_exported", "leases_extended", "leases_expired", "leases_released", "frees",
+    "heartbeats_sent", "heartbeats_received", "acks_sent", "acks_received",
+    "reads_posted", "reads_completed", "reads_failed", "bytes_read",
+    "notify_only_releases", "releases_sent", "rejected", "notifications_ignored",
+)
+
+
+def empty() -> dict[str, Any]:
+    data: dict[str, Any] = dict.fromkeys(COUNTERS, 0)
+    data["read_s"] = []
+    return data
+
+
+def merge(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    for k, v in other.items():
+        if k == "read_s":
+            into.setdefault(k, []).extend(v)
+        elif isinstance(v, int | float):
+            into[k] = into.get(k, 0) + v
+    return into
+
+
+def summarize(data: dict[str, Any]) -> dict[str, int | float]:
+    out: dict[str, int | float] = {k: data.get(k, 0) for k in COUNTERS}
+    reads = sorted(data.get("read_s", []))
+    if reads:
+        total = sum(reads)
+        out["read_ms_median"] = reads[len(reads) // 2] * 1e3
+        out["read_GBps"] = data.get("bytes_read", 0) / total / 1e9 if total > 0 else 0.0
+    return out
+
+
+def stats_class() -> type:
+    """`KVHandoffStats`, built on vLLM's base class (imported lazily)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+    class KVHandoffStats(KVConnectorStats):
+        def __post_init__(self) -> None:
+            if not self.data:
+                self.reset()
+
+        def reset(self) -> None:
+            self.data = empty()
+
+        def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+            merge(self.data, other.data)
+            return self
+
+        def reduce(self) -> dict[str, int | float]:
+            return summarize(self.data)
+
+        def is_empty(self) -> bool:
+            return not any(self.data.get(k) for k in COUNTERS)
+
+    return KVHandoffStats
