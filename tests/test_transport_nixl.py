@@ -1,0 +1,90 @@
+"""The NIXL transport between two processes over UCX, host memory: the shared contract.
+
+P (the source) runs in a spawned child (`TransportProcess`) whose regions
+live in shared memory, so the test writes P's bytes directly; D runs here.
+Every READ's bytes are compared with the source.  NIXL-only behaviour is in
+``test_transport_nixl_behaviour.py``; VRAM runs in ``test_transport_nixl_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("nixl")
+
+from kvhandoff.core.planning import coalesce  # noqa: E402
+from kvhandoff.transports.base import Completion, KVRegion, ReadRequest  # noqa: E402
+from kvhandoff.transports.nixl import NixlOptions, NixlTransport, TransportProcess  # noqa: E402
+from tests.transport_contract import TransportContract, TransportPair, host_regions  # noqa: E402
+
+_counter = iter(range(1_000_000))
+
+
+def nixl_host_pair(num_blocks: int, block_bytes: int, n_regions: int,
+                   options: NixlOptions | None = None) -> TransportPair:
+    tag = f"{time.monotonic_ns() % 10**9}-{next(_counter)}"
+    p = TransportProcess(f"P-{tag}", options)
+    try:
+        d = NixlTransport(f"D-{tag}", options)
+    except BaseException:
+        p.close()
+        raise
+    names = [f"layer{i}.kv" for i in range(n_regions)]
+    p_rows = [p.shared_array((num_blocks, block_bytes)) for _ in names]
+    p_regions = [KVRegion(n, r, num_blocks, block_bytes) for n, r in zip(names, p_rows, strict=True)]
+    d_regions, d_rows = host_regions("d", num_blocks, block_bytes, n_regions, names)
+
+    def put(rows):
+        def write(i, data):
+            rows[i][...] = data
+        return write
+
+    def close() -> None:
+        try:
+            d.close()
+        finally:
+            p.close()
+
+    return TransportPair(
+        p=p, d=d, p_regions=p_regions, d_regions=d_regions,
+        write_p=put(p_rows), write_d=put(d_rows), read_d=lambda i: d_rows[i].copy(),
+        pump=lambda: _pump(d), kill_p=p.kill, close=close,
+    )
+
+
+def _pump(d: NixlTransport) -> None:
+    d.progress()  # READs in flight move (and send their notifications) only when checked
+    time.sleep(0.0005)
+
+
+class TestNixlHostContract(TransportContract):
+    def make_pair(self, num_blocks, block_bytes, n_regions):
+        return nixl_host_pair(num_blocks, block_bytes, n_regions)
+
+    def test_a_peer_that_dies_mid_read_fails_the_read_and_is_reported_lost(self, pair):
+        # Over UCX's cma path a READ of host memory is copied while it is posted, so
+        # a READ posted just before the producer dies has usually landed already:
+        # NIXL then rightly reports it done.  What must hold either way: one
+        # completion; ok=True only with every byte in place; the dead peer reported
+        # lost.  A READ truly cut short is in test_transport_nixl_behaviour.py.
+        p_name, _ = self.connect(pair)
+        source = self.fill(pair)
+        handle = pair.d.post_read(p_name, ReadRequest(runs=coalesce(range(64), range(64))),
+                                  b"release:req-2")
+        pair.kill_p()
+        completions: list[Completion] = []
+        self.wait(pair, lambda: bool(completions.extend(pair.d.poll()) or completions),
+                  "the READ's completion")
+        assert [c.handle for c in completions] == [handle]
+        if completions[0].ok:
+            for i in range(len(pair.d_regions)):
+                assert np.array_equal(pair.read_d(i), source[i])
+        else:
+            assert completions[0].reason
+        self.wait(pair, lambda: p_name in pair.d.lost_peers(), "the dead peer in lost_peers()")
+        for _ in range(20):
+            pair.pump()
+            assert pair.d.poll() == []

@@ -1,0 +1,164 @@
+"""Starting a NIXL agent the way kvhandoff needs it: UCX defaults and a quiet progress thread.
+
+Two things about a stock ``nixl_agent`` are wrong for a serving engine, and
+both must be fixed *before* the agent (and with it UCX's context) starts:
+
+* **UCX refuses cuda_ipc GETs without NVLink.**  A READ is a GET; with
+  ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY`` at its default (``auto``) UCX 1.23 stages
+  VRAM READs between two processes on one H200 through TCP, at 0.4–0.5 GB/s
+  instead of hundreds of GB/s (FIELD_NOTES.md).  `apply_ucx_defaults` sets
+  the variables in `UCX_DEFAULTS` unless the user already set them, and logs
+  which it set and which it left alone.  UCX reads its environment when a
+  context is created, so setting ``os.environ`` in-process is enough.
+* **The progress thread busy-spins.**  ``nixl._api.nixl_agent`` hard-codes a
+  progress-thread delay of 0 µs.  NIXL's UCX progress thread sleeps in
+  ``poll()`` on the UCX workers' event descriptors with that delay as the
+  timeout, so 0 means it never sleeps: ~98 % of a core per idle agent.  The
+  thread still wakes at once when UCX signals work, so a timeout of a
+  millisecond only bounds how late a *missed* wake-up can be (NIXL keeps the
+  timeout as a workaround for one): idle cost ~2 % of a core, transfers
+  unchanged (measured; see docs/nixl.md).  The Python API offers no setting
+  for it, so `create_agent` passes the delay to the bindings' agent config
+  while the stock ``nixl_agent`` constructor runs (`_progress_delay`).  We
+  keep the progress thread rather than drive progress only from `poll`:
+  the source side of a READ (P) must answer UCX connection set-up and
+  notifications even while its engine thread is busy elsewhere.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+# name -> (value, why).  Only what a kvhandoff READ needs; everything else is UCX's.
+UCX_DEFAULTS: dict[str, tuple[str, str]] = {
+    "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": (
+        "y",
+        "VRAM READs between processes: without it UCX stages GETs through TCP "
+        "(0.4-0.5 GB/s on one H200 instead of hundreds of GB/s)",
+    ),
+    "UCX_CUDA_IPC_ENABLE_SAME_PROCESS": (
+        "y",
+        "VRAM READs between two agents of one process (tests, single-process demos)",
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class NixlOptions:
+    """How a `NixlTransport` starts its agent.
+
+    ``progress_delay_us``: the progress thread's poll timeout (see module
+    docstring); NIXL rounds it up to whole milliseconds; 0 restores NIXL's
+    busy-spin.  ``num_threads``: UCX worker threads that post one transfer's
+    descriptors in parallel (0: post from the caller's thread).
+    ``ucx_defaults``: set `UCX_DEFAULTS` where the user has not.
+    ``telemetry``: NIXL per-transfer telemetry (descriptor counts after
+    merging; costs a little per transfer).
+    """
+
+    backends: tuple[str, ...] = ("UCX",)
+    progress_delay_us: int = 1000
+    num_threads: int = 0
+    ucx_defaults: bool = True
+    telemetry: bool = False
+
+    def __post_init__(self) -> None:
+        if self.progress_delay_us < 0:
+            raise ValueError(f"progress_delay_us: expected >= 0, found {self.progress_delay_us}")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads: expected >= 0, found {self.num_threads}")
+        if not self.backends:
+            raise ValueError("backends: expected at least one NIXL backend, found none")
+
+
+def apply_ucx_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Set each of `UCX_DEFAULTS` the user has not set; return what was set.
+
+    Logs ``nixl.ucx_default`` for every variable, saying whether kvhandoff
+    set it or the user's value was kept, so an operator can see why a READ
+    took the path it took.
+    """
+    env = os.environ if environ is None else environ
+    applied: dict[str, str] = {}
+    for name, (value, why) in UCX_DEFAULTS.items():
+        if name in env:
+            log.info("nixl.ucx_default", variable=name, value=env[name], source="user", why=why)
+            continue
+        env[name] = value
+        applied[name] = value
+        log.info("nixl.ucx_default", variable=name, value=value, source="kvhandoff", why=why)
+    return applied
+
+
+_construct_lock = threading.Lock()
+
+
+class _BindingsWithDelay:
+    """The NIXL bindings module, except that agents start with our progress delay."""
+
+    def __init__(self, bindings: Any, delay_us: int) -> None:
+        self._bindings = bindings
+        self._delay_us = delay_us
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bindings, name)
+
+    def nixlAgent(self, name: str, config: Any) -> Any:  # noqa: N802 - the bindings' name
+        config.pthrDelay = self._delay_us
+        return self._bindings.nixlAgent(name, config)
+
+
+@contextmanager
+def _progress_delay(api: Any, delay_us: int) -> Iterator[None]:
+    # ``nixl._api`` writes ``agent_config.pthrDelay = 0`` and then calls
+    # ``nixlBind.nixlAgent(name, agent_config)``: swap the module's view of the
+    # bindings for the length of one constructor call, under a lock so two
+    # threads starting agents never see each other's swap.
+    with _construct_lock:
+        real = api.nixlBind
+        api.nixlBind = _BindingsWithDelay(real, delay_us)
+        try:
+            yield
+        finally:
+            api.nixlBind = real
+
+
+def create_agent(name: str, options: NixlOptions) -> Any:
+    """A started ``nixl_agent`` named ``name``, configured by ``options``."""
+    if options.ucx_defaults:
+        apply_ucx_defaults()
+    import nixl._api as api  # imported late: importing nixl loads UCX
+
+    params = inspect.signature(api.nixl_agent_config).parameters
+    kwargs: dict[str, Any] = {
+        "enable_prog_thread": True,
+        "backends": list(options.backends),
+        "capture_telemetry": options.telemetry,
+        "num_threads": options.num_threads,
+    }
+    native_delay = "progress_delay_us" in params  # a future nixl may grow the setting
+    if native_delay:
+        kwargs["progress_delay_us"] = options.progress_delay_us
+    config = api.nixl_agent_config(**kwargs)
+    if native_delay or not hasattr(api, "nixlBind"):
+        agent = api.nixl_agent(name, config)
+    else:
+        with _progress_delay(api, options.progress_delay_us):
+            agent = api.nixl_agent(name, config)
+    missing = [b for b in options.backends if b not in agent.backends]
+    if missing:
+        raise RuntimeError(f"NIXL agent {name!r}: backends {missing} unavailable; "
+                           f"plugins found: {agent.get_plugin_list()}")
+    log.info("nixl.agent_started", agent=name, backends=list(options.backends),
+             progress_delay_us=options.progress_delay_us, num_threads=options.num_threads)
+    return agent

@@ -1,0 +1,490 @@
+"""`NixlTransport`: the `Transport` protocol over NIXL (UCX), host memory and GPU.
+
+Theory of operation
+-------------------
+* **Agent.**  One NIXL agent per transport, started by `agent.create_agent`
+  (UCX defaults, a progress thread that sleeps when idle).  A transport is
+  not thread-safe: drive it from one thread, as an engine's worker loop does.
+* **Registration.**  `register` locates each region's buffer, registers the
+  few ranges that cover them (`memory.plan_registrations`: one range per
+  allocation, shared ranges once) and prepares, per memory kind, one local
+  descriptor list with a strided row per region (`memory.descriptor_rows`):
+  descriptor ``base(region) + block`` is that block.  It is prepared once and
+  reused by every READ.
+* **Peers.**  `metadata` is NIXL's agent blob plus our region table
+  (`wire`).  `add_peer` loads it, checks with ``check_remote_metadata`` that
+  NIXL sees the peer's registrations (else `PeerNotReady`: re-fetch), and
+  prepares the peer's descriptor lists, per memory kind, once.
+* **READs.**  A READ is one or more `ReadSplit`\\ s (block runs over pairs of
+  remote and local regions).  Runs become descriptor indices (numpy, no
+  per-block Python); NIXL merges consecutive indices of one region into one
+  descriptor, so a coalesced run of N blocks is one descriptor on the wire.
+  Each split's pairs are grouped by (local kind, remote kind): each group is
+  one NIXL transfer (a descriptor list has one memory kind), all of them
+  together one handle with one aggregate completion.  A READ into a GPU tail and a
+  host pool is thus one `post_split_read`.
+* **Completion notification.**  With a single NIXL transfer the notification
+  rides on it (NIXL sends it once the bytes landed).  With several, it is
+  sent by `poll` after the last one landed: attached to any one of them, it
+  could tell the source to free blocks another transfer is still reading.
+* **Failures.**  A failed post or a transfer that ends in error completes its
+  handle with ``ok=False`` and a reason, after every other transfer of that
+  handle drained (pages are not reusable before).  A remote disconnect marks
+  the peer lost.  Every NIXL transfer handle is released exactly once,
+  whatever happened.  `lost_peers` also probes idle peers with an internal
+  notification (filtered out at the receiver), because UCX reports a dead
+  peer only when something is sent to it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import structlog
+
+from kvhandoff.core.planning import BlockRun
+from kvhandoff.transports.base import (
+    Completion,
+    KVRegion,
+    MemoryKind,
+    Notification,
+    PeerNotReady,
+    ReadRequest,
+    RegionMismatch,
+    TransportError,
+    UnknownPeer,
+)
+
+from . import wire
+from .agent import NixlOptions, create_agent
+from .memory import Placement, descriptor_rows, locate, plan_registrations, span_rows
+
+log = structlog.get_logger(__name__)
+
+PROBE = b"\x00kvh.probe"  # internal liveness probe; never handed to the receiver's caller
+
+
+class InvalidRead(TransportError):
+    """A READ that names blocks outside the registered regions, or no blocks at all."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadSplit:
+    """One part of a READ: ``runs`` applied to each ``(remote region, local region)`` pair.
+
+    Remote and local names differ when the destination is split by memory
+    kind (``"layer0" -> "layer0@gpu"`` for the resident tail, ``-> "layer0@host"``
+    for the host pool); a plain READ pairs each region with its namesake.
+    """
+
+    runs: tuple[BlockRun, ...]
+    regions: tuple[tuple[str, str], ...]
+
+
+@dataclass(slots=True)
+class _Side:
+    """Regions of one agent, as indices into one descriptor list per memory kind."""
+
+    regions: dict[str, tuple[MemoryKind, int, int, int]]  # name -> (kind, base, blocks, bytes)
+    dlists: dict[MemoryKind, Any]  # kind -> prepped NIXL descriptor-list handle
+
+
+@dataclass(slots=True)
+class _Peer:
+    name: str
+    instance: str
+    generation: int
+    side: _Side
+    inflight: set[int] = field(default_factory=set)
+    lost: bool = False
+    removing: bool = False
+    probed_at: float = 0.0
+
+
+@dataclass(slots=True)
+class _Pending:
+    handle: int
+    peer: str
+    xfers: list[Any]
+    notif_after: bytes | None  # sent by poll once every transfer landed
+    failure: str = ""
+
+
+class NixlTransport:
+    """A `Transport` over one NIXL agent.  See the module docstring."""
+
+    def __init__(self, name: str, options: NixlOptions | None = None, *,
+                 probe_interval_s: float = 0.2, close_timeout_s: float = 10.0) -> None:
+        self.name = name
+        self.options = options or NixlOptions()
+        self.probe_interval_s = probe_interval_s
+        self.close_timeout_s = close_timeout_s
+        self._agent = create_agent(name, self.options)
+        self._instance = uuid.uuid4().hex
+        self._generation = 0
+        self._placements: dict[str, Placement] = {}
+        self._registered: list[tuple[Any, MemoryKind]] = []  # (NIXL reg list, kind)
+        self._local = _Side({}, {})
+        self._peers: dict[str, _Peer] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._settled: list[Completion] = []  # completions decided at post time
+        self._next_handle = 0
+        self._closed = False
+        self.descriptors_posted = 0  # after coalescing; for benchmarks and tests
+
+    # -- registration and metadata ------------------------------------------
+
+    def register(self, regions: Sequence[KVRegion]) -> None:
+        """Register ``regions`` (in addition to earlier ones) and prepare local descriptors."""
+        self._open()
+        if self._pending:
+            raise TransportError(f"{self.name}: cannot register while {len(self._pending)} "
+                                 "READs are in flight")
+        new = [locate(r) for r in regions]
+        names = [p.name for p in new]
+        dupes = sorted({n for n in names if names.count(n) > 1 or n in self._placements})
+        if dupes:
+            raise RegionMismatch(f"{self.name}: regions registered twice: {dupes}")
+        t0 = time.perf_counter()
+        plan = plan_registrations(new)
+        for reg in plan:
+            rows = [(reg.addr, reg.nbytes, reg.device, "")]
+            descs = self._agent.register_memory(rows, reg.kind.value)
+            self._registered.append((descs, reg.kind))
+        self._placements.update({p.name: p for p in new})
+        self._local = self._prepare_side("", list(self._placements.values()), self._local)
+        self._generation += 1
+        log.info("nixl.registered", agent=self.name, regions=len(new),
+                 registrations=len(plan), bytes=sum(r.nbytes for r in plan),
+                 ms=round((time.perf_counter() - t0) * 1e3, 3))
+
+    def metadata(self) -> bytes:
+        self._open()
+        return wire.encode(self.name, self._instance, self._generation,
+                           list(self._placements.values()), self._agent.get_agent_metadata())
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer's metadata; `PeerNotReady` until its registrations are visible."""
+        self._open()
+        meta = wire.decode(metadata)
+        if meta.agent == self.name:
+            raise TransportError(f"{self.name}: metadata names this agent itself")
+        if not meta.regions:
+            raise PeerNotReady(f"peer {meta.agent!r} has not registered any memory yet "
+                               f"(generation {meta.generation}): re-fetch its metadata")
+        old = self._peers.get(meta.agent)
+        if old is not None and not old.lost and old.instance == meta.instance \
+                and old.generation >= meta.generation:
+            return old.name  # already current
+        if old is not None:
+            if old.inflight:
+                raise TransportError(f"{self.name}: peer {meta.agent!r} re-announced while "
+                                     f"{len(old.inflight)} READs from it are in flight")
+            self._drop_peer(old)
+        name = self._agent.add_remote_agent(meta.nixl)
+        if isinstance(name, bytes):
+            name = name.decode()
+        placements = [Placement(r.name, r.kind, r.device, r.addr, r.block_bytes, r.num_blocks,
+                                (r.kind.value, r.device, r.addr)) for r in meta.regions]
+        for kind in {p.kind for p in placements}:
+            spans = span_rows([p for p in placements if p.kind is kind])
+            descs = self._agent.get_xfer_descs(spans, kind.value)
+            if not self._agent.check_remote_metadata(name, descs):
+                self._agent.remove_remote_agent(name)
+                raise PeerNotReady(f"peer {name!r}: NIXL does not see its {kind.value} "
+                                   "registrations in this metadata: re-fetch")
+        side = self._prepare_side(name, placements, None)
+        self._peers[name] = _Peer(name, meta.instance, meta.generation, side,
+                                  probed_at=time.monotonic())
+        log.info("nixl.peer_added", agent=self.name, peer=name, regions=len(placements),
+                 generation=meta.generation)
+        return name
+
+    def remove_peer(self, peer: str) -> None:
+        """Forget ``peer``; READs from it in flight drain first (they cannot be cancelled)."""
+        p = self._peers.get(peer)
+        if p is None:
+            return
+        if p.inflight:
+            p.removing = True
+        else:
+            self._drop_peer(p)
+
+    # -- READs --------------------------------------------------------------
+
+    def post_read(self, peer: str, read: ReadRequest, notif: bytes | None = None) -> int:
+        names = read.regions if read.regions is not None else tuple(self._local.regions)
+        return self.post_split_read(peer, [ReadSplit(read.runs, tuple((n, n) for n in names))],
+                                    notif)
+
+    def post_split_read(self, peer: str, splits: Sequence[ReadSplit],
+                        notif: bytes | None = None) -> int:
+        """Post one READ made of ``splits``; one handle, one aggregate completion."""
+        self._open()
+        p = self._peer(peer)
+        if p.removing:
+            raise UnknownPeer(f"{self.name}: peer {peer!r} is being removed")
+        groups = self._plan(p, splits)
+        self._next_handle += 1
+        handle = self._next_handle
+        if p.lost:
+            self._settled.append(Completion(handle, False, "failed post: peer lost"))
+            return handle
+        attach = notif if (notif and len(groups) == 1) else None
+        pending = _Pending(handle, peer, [], None if attach else notif)
+        for (_, lkind, rkind), (lidx, ridx, ndesc) in groups.items():
+            xfer = None
+            try:
+                xfer = self._agent.make_prepped_xfer(
+                    "READ", self._local.dlists[lkind], lidx, p.side.dlists[rkind], ridx,
+                    attach or b"")
+                state = self._agent.transfer(xfer)
+            except Exception as exc:  # NIXL raises typed errors from its bindings
+                pending.failure = pending.failure or self._failure(p, "failed post", exc)
+                if xfer is not None:
+                    self._release(xfer)
+                break  # what was posted still drains; nothing more is posted
+            if state == "ERR":
+                pending.failure = pending.failure or "failed post: NIXL returned ERR"
+                self._release(xfer)
+                break
+            pending.xfers.append(xfer)
+            self.descriptors_posted += ndesc
+        if pending.xfers:
+            self._pending[handle] = pending
+            p.inflight.add(handle)
+        else:
+            self._settled.append(Completion(handle, False, pending.failure))
+        return handle
+
+    def poll(self) -> list[Completion]:
+        """Completions of READs that finished since the last call, each exactly once."""
+        self.progress()
+        out, self._settled = self._settled, []
+        return out
+
+    def progress(self) -> None:
+        """Advance READs in flight without collecting their completions (`poll` returns them).
+
+        NIXL sends a READ's completion notification from the reader's side
+        when the reader next checks that READ, so the source hears of it only
+        as promptly as the reader polls.  A loop that waits for something
+        else (a notification, a peer) calls this to keep READs moving.
+        """
+        self._open()
+        for pending in list(self._pending.values()):
+            if self._advance(pending):
+                self._settled.append(self._finish(pending))
+
+    # -- notifications -------------------------------------------------------
+
+    def send_notif(self, peer: str, message: bytes) -> None:
+        """Send ``message`` to ``peer``; a peer that cannot be reached is marked lost."""
+        self._open()
+        p = self._peer(peer)
+        if p.lost:
+            return
+        try:
+            self._agent.send_notif(peer, message)
+        except Exception as exc:
+            self._failure(p, "notification", exc, lost=True)
+
+    def recv_notifs(self) -> list[Notification]:
+        self._open()
+        out: list[Notification] = []
+        for peer, messages in self._agent.get_new_notifs().items():
+            name = peer.decode() if isinstance(peer, bytes) else peer
+            out.extend(Notification(name, bytes(m)) for m in messages if m != PROBE)
+        return out
+
+    def lost_peers(self) -> list[str]:
+        """Peers known to be gone; idle peers are probed at most every ``probe_interval_s``."""
+        self._open()
+        now = time.monotonic()
+        for p in self._peers.values():
+            if not p.lost and now - p.probed_at >= self.probe_interval_s:
+                p.probed_at = now
+                try:
+                    self._agent.send_notif(p.name, PROBE)
+                except Exception as exc:
+                    self._failure(p, "liveness probe", exc, lost=True)
+        return sorted(p.name for p in self._peers.values() if p.lost)
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drain READs in flight (up to ``close_timeout_s``), then free everything."""
+        if self._closed:
+            return
+        deadline = time.monotonic() + self.close_timeout_s
+        while self._pending and time.monotonic() < deadline:
+            self.poll()
+            time.sleep(0.0005)
+        for pending in self._pending.values():
+            log.warning("nixl.close_abandons_read", agent=self.name, handle=pending.handle,
+                        peer=pending.peer)
+            for xfer in pending.xfers:
+                self._release(xfer)
+        self._pending.clear()
+        for p in list(self._peers.values()):
+            self._drop_peer(p)
+        for dlist in self._local.dlists.values():
+            self._agent.release_dlist_handle(dlist)
+        for descs, _ in self._registered:
+            try:
+                self._agent.deregister_memory(descs)
+            except Exception as exc:
+                log.warning("nixl.deregister_failed", agent=self.name, error=repr(exc))
+        self._registered.clear()
+        self._closed = True
+        self._agent = None
+        log.info("nixl.closed", agent=self.name)
+
+    # -- internals -------------------------------------------------------------
+
+    def _open(self) -> None:
+        if self._closed:
+            raise TransportError(f"transport {self.name!r} is closed")
+
+    def _peer(self, peer: str) -> _Peer:
+        p = self._peers.get(peer)
+        if p is None:
+            raise UnknownPeer(f"{self.name}: peer {peer!r} was never added (or was removed)")
+        return p
+
+    def _prepare_side(self, agent_name: str, placements: list[Placement],
+                      old: _Side | None) -> _Side:
+        if old is not None:
+            for dlist in old.dlists.values():
+                self._agent.release_dlist_handle(dlist)
+        regions: dict[str, tuple[MemoryKind, int, int, int]] = {}
+        dlists: dict[MemoryKind, Any] = {}
+        for kind in MemoryKind:
+            of_kind = [p for p in placements if p.kind is kind]
+            if not of_kind:
+                continue
+            base = 0
+            for p in of_kind:
+                regions[p.name] = (kind, base, p.num_blocks, p.block_bytes)
+                base += p.num_blocks
+            if base >= 2**31:
+                raise RegionMismatch(f"{agent_name or self.name}: {base} {kind.value} blocks "
+                                     "exceed NIXL's 32-bit descriptor indices")
+            dlists[kind] = self._agent.prep_xfer_dlist(agent_name, descriptor_rows(of_kind),
+                                                       kind.value)
+        return _Side(regions, dlists)
+
+    def _plan(self, peer: _Peer, splits: Sequence[ReadSplit]
+              ) -> dict[tuple[int, MemoryKind, MemoryKind], tuple[np.ndarray, np.ndarray, int]]:
+        """Descriptor indices (and descriptor count after merging) per (split, local
+        kind, remote kind); refuses impossible READs before anything is posted."""
+        parts: dict[tuple[int, MemoryKind, MemoryKind], tuple[list, list, list]] = {}
+        for n_split, split in enumerate(splits):
+            if not split.runs or not split.regions:
+                raise InvalidRead(f"{self.name}: a READ split needs block runs and regions")
+            runs = np.array([(r.remote_start, r.local_start, r.count) for r in split.runs],
+                            dtype=np.int64)
+            rs, ls, cs = runs[:, 0], runs[:, 1], runs[:, 2]
+            if (cs <= 0).any() or (rs < 0).any() or (ls < 0).any():
+                raise InvalidRead(f"{self.name}: runs need count > 0 and starts >= 0")
+            r_end, l_end = int((rs + cs).max()), int((ls + cs).max())
+            r_blocks, l_blocks = _expand(rs, ls, cs)
+            for remote_name, local_name in split.regions:
+                remote = peer.side.regions.get(remote_name)
+                local = self._local.regions.get(local_name)
+                if remote is None:
+                    raise RegionMismatch(f"peer {peer.name!r} has no region {remote_name!r}")
+                if local is None:
+                    raise RegionMismatch(f"{self.name} has no region {local_name!r}")
+                rkind, rbase, rnum, rbytes = remote
+                lkind, lbase, lnum, lbytes = local
+                if rbytes != lbytes:
+                    raise RegionMismatch(f"{remote_name!r} -> {local_name!r}: block_bytes "
+                                         f"{rbytes} on {peer.name}, {lbytes} here")
+                if r_end > rnum or l_end > lnum:
+                    raise InvalidRead(f"{remote_name!r} -> {local_name!r}: runs reach block "
+                                      f"{max(r_end, l_end) - 1}, regions hold {rnum} remote / "
+                                      f"{lnum} local blocks")
+                # One NIXL transfer per split and kind pair: a descriptor list has one
+                # memory kind, and a split (say, the GPU tail) stays one transfer.
+                lists = parts.setdefault((n_split, lkind, rkind), ([], [], []))
+                lists[0].append(l_blocks + lbase)
+                lists[1].append(r_blocks + rbase)
+                lists[2].append(len(cs))  # one descriptor per run and region pair
+        return {key: (np.concatenate(li).astype(np.int32), np.concatenate(ri).astype(np.int32),
+                      sum(nd)) for key, (li, ri, nd) in parts.items()}
+
+    def _advance(self, pending: _Pending) -> bool:
+        """Check each transfer of ``pending``; True once all of them have finished."""
+        p = self._peers[pending.peer]
+        still = []
+        for xfer in pending.xfers:
+            try:
+                state = self._agent.check_xfer_state(xfer)
+            except Exception as exc:
+                pending.failure = pending.failure or self._failure(p, "READ", exc)
+                state = "FAILED"
+            if state == "PROC":
+                still.append(xfer)
+                continue
+            if state == "ERR":
+                pending.failure = pending.failure or "READ failed: NIXL returned ERR"
+            self._release(xfer)
+        pending.xfers = still
+        return not still
+
+    def _finish(self, pending: _Pending) -> Completion:
+        del self._pending[pending.handle]
+        p = self._peers[pending.peer]
+        p.inflight.discard(pending.handle)
+        if not pending.failure and pending.notif_after is not None:
+            try:
+                self._agent.send_notif(p.name, pending.notif_after)
+            except Exception as exc:
+                pending.failure = self._failure(p, "completion notification", exc, lost=True)
+        if p.removing and not p.inflight:
+            self._drop_peer(p)
+        if pending.failure:
+            log.warning("nixl.read_failed", agent=self.name, peer=p.name,
+                        handle=pending.handle, reason=pending.failure)
+        return Completion(pending.handle, not pending.failure, pending.failure)
+
+    def _failure(self, peer: _Peer, what: str, exc: BaseException, lost: bool = False) -> str:
+        kind = type(exc).__name__
+        lost = lost or kind == "nixlRemoteDisconnectError"
+        reason = f"{what}: {'remote disconnect' if kind == 'nixlRemoteDisconnectError' else kind}"
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        if lost and not peer.lost:
+            peer.lost = True
+            log.warning("nixl.peer_lost", agent=self.name, peer=peer.name, cause=reason,
+                        detail=detail)
+        return f"{reason} ({detail})" if detail else reason
+
+    def _release(self, xfer: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(xfer)
+        except Exception as exc:  # nixl keeps the handle on its own leak list
+            log.warning("nixl.release_failed", agent=self.name, error=repr(exc))
+
+    def _drop_peer(self, p: _Peer) -> None:
+        for dlist in p.side.dlists.values():
+            self._agent.release_dlist_handle(dlist)
+        try:
+            self._agent.remove_remote_agent(p.name)
+        except Exception as exc:
+            log.info("nixl.remove_remote_failed", agent=self.name, peer=p.name, error=repr(exc))
+        self._peers.pop(p.name, None)
+
+
+def _expand(rs: np.ndarray, ls: np.ndarray, cs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-block remote and local ids of runs ``(rs, ls, cs)``, in run order."""
+    total = int(cs.sum())
+    if total == len(cs):  # every run is one block (a shuffled READ): nothing to expand
+        return rs, ls
+    within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(cs) - cs, cs)
+    return np.repeat(rs, cs) + within, np.repeat(ls, cs) + within

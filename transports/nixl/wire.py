@@ -1,0 +1,89 @@
+"""The bytes a NIXL transport hands its peers: NIXL's agent blob plus our region table.
+
+A peer needs two things to READ from us: NIXL's agent metadata (connection
+info and registrations, opaque) and where each named region's blocks are
+(address, block size, count, memory kind, device).  Both travel in one blob
+so they can never disagree::
+
+    b"KVHNIXL1" | u32 header length | header (JSON) | NIXL agent metadata
+
+The header carries the agent name, an ``instance`` id (new each time an
+agent starts, so a restarted peer is recognised) and a ``generation``
+(bumped by every `register`, so metadata taken before a registration is
+recognised as older than metadata taken after it).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import orjson
+
+from kvhandoff.transports.base import MemoryKind, TransportError
+
+from .memory import Placement
+
+MAGIC = b"KVHNIXL1"
+_LEN = struct.Struct("<I")
+
+
+class MetadataUnreadable(TransportError):
+    """Peer metadata that is not a kvhandoff NIXL blob (or is truncated)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteRegion:
+    """A peer's region as its metadata describes it."""
+
+    name: str
+    kind: MemoryKind
+    device: int
+    addr: int
+    block_bytes: int
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class PeerMetadata:
+    agent: str
+    instance: str
+    generation: int
+    regions: tuple[RemoteRegion, ...]
+    nixl: bytes
+
+
+def encode(agent: str, instance: str, generation: int, placements: Sequence[Placement],
+           nixl_metadata: bytes) -> bytes:
+    header = orjson.dumps({
+        "agent": agent,
+        "instance": instance,
+        "generation": generation,
+        "regions": [[p.name, p.kind.value, p.device, p.addr, p.block_bytes, p.num_blocks]
+                    for p in placements],
+    })
+    return MAGIC + _LEN.pack(len(header)) + header + nixl_metadata
+
+
+def decode(blob: bytes) -> PeerMetadata:
+    if not isinstance(blob, bytes | bytearray | memoryview):
+        raise MetadataUnreadable(f"expected bytes, found {type(blob).__name__}")
+    blob = bytes(blob)
+    if not blob.startswith(MAGIC):
+        raise MetadataUnreadable(f"expected the prefix {MAGIC!r}, found {blob[:8]!r}")
+    start = len(MAGIC) + _LEN.size
+    if len(blob) < start:
+        raise MetadataUnreadable(f"expected at least {start} bytes, found {len(blob)}")
+    (n,) = _LEN.unpack_from(blob, len(MAGIC))
+    if len(blob) < start + n:
+        raise MetadataUnreadable(f"header of {n} bytes truncated at {len(blob) - start}")
+    try:
+        h = orjson.loads(blob[start:start + n])
+        regions = tuple(
+            RemoteRegion(str(name), MemoryKind(kind), int(dev), int(addr), int(bb), int(nb))
+            for name, kind, dev, addr, bb, nb in h["regions"])
+        return PeerMetadata(str(h["agent"]), str(h["instance"]), int(h["generation"]),
+                            regions, blob[start + n:])
+    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise MetadataUnreadable(f"unreadable header: {exc}") from None
