@@ -1,0 +1,180 @@
+"""`kvhandoff replay` and `kvhandoff diagram`: what a user debugging a hand-off sees."""
+
+from __future__ import annotations
+
+import pathlib
+
+import orjson
+import pytest
+
+from kvhandoff.adapters.cli import main
+from kvhandoff.core.diagram import lifecycle_markdown
+from kvhandoff.core.events import (
+    Admitted,
+    ClientCancelled,
+    Exported,
+    FinishedRecving,
+    Freed,
+    HeartbeatReceived,
+    HeartbeatSent,
+    LeaseAcknowledged,
+    LeaseExpired,
+    PrefillStarted,
+    ReadsPosted,
+    ReleaseNotified,
+    ReleaseSent,
+    Side,
+    SplitCompleted,
+    Stream,
+    Validated,
+)
+from kvhandoff.core.ledger import Ledger
+from kvhandoff.core.lifecycle import DState, LifecycleState, PState
+from kvhandoff.core.log import LogWriter
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LEASE = 10.0
+
+
+class Engines:
+    """A P and a D engine each writing its own log, as in a real deployment."""
+
+    def __init__(self, tmp_path):
+        self.p_log = LogWriter(tmp_path / "p.jsonl")
+        self.d_log = LogWriter(tmp_path / "d.jsonl")
+        self.P = Ledger(Stream("prefill-0", Side.P, 0), LifecycleState(), self.p_log)
+        self.D = Ledger(Stream("decode-0", Side.D, 0), LifecycleState(), self.d_log)
+        self.paths = [str(tmp_path / "p.jsonl"), str(tmp_path / "d.jsonl")]
+
+    def start_read(self, rid: str, t: float) -> None:
+        self.P.record(PrefillStarted, rid, t)
+        self.P.record(Exported, rid, t, lease_s=LEASE, consumer_ranks=(0,), num_blocks=2)
+        self.D.record(Admitted, rid, t + 0.1, remote_engine="prefill-0", remote_ranks=(0,),
+                      num_blocks=2, lease_s=LEASE, lease_margin_s=0.5, local_request_id=rid)
+        self.D.record(Validated, rid, t + 0.1)
+        self.D.record(HeartbeatSent, rid, t + 0.1)
+        self.P.record(HeartbeatReceived, rid, t + 0.2, from_engine="decode-0")
+        self.D.record(LeaseAcknowledged, rid, t + 0.3, p_rank=0, sent_at=t + 0.1, time_left=9.9)
+        self.D.record(ReadsPosted, rid, t + 0.3, split_ranks=(0,))
+
+    def finish_read(self, rid: str, t: float) -> None:
+        self.D.record(SplitCompleted, rid, t, split=0)
+        self.D.record(FinishedRecving, rid, t)
+        notify_only = self.D.state.record(self.D.stream, rid).state is DState.FAILED
+        self.D.record(ReleaseSent, rid, t, notify_only=notify_only)
+        if self.P.state.record(self.P.stream, rid).state is PState.EXPORTED:
+            self.P.record(ReleaseNotified, rid, t + 0.01, from_engine="decode-0", consumer_rank=0)
+            self.P.record(Freed, rid, t + 0.02)
+
+    def expire(self, rid: str, t: float) -> None:
+        self.P.record(LeaseExpired, rid, t)
+        self.P.record(Freed, rid, t)
+
+    def close(self) -> list[str]:
+        self.p_log.close()
+        self.d_log.close()
+        return self.paths
+
+
+def _json(capsys, *argv):
+    code = main(["replay", *argv, "--json"])
+    return code, orjson.loads(capsys.readouterr().out)
+
+
+def test_clean_hand_off_passes_check(tmp_path, capsys):
+    e = Engines(tmp_path)
+    e.start_read("req-1", 1.0)
+    e.finish_read("req-1", 2.0)
+    paths = e.close()
+    code, out = _json(capsys, *paths, "--check")
+    assert code == 0
+    assert out["violations"] == [] and out["requests"] == 1
+    assert out["states"] == {"D:DONE": 1, "P:FREED": 1}
+    assert out["events"] == 13 and len(out["state_hash"]) == 32
+
+
+def test_timeline_shows_both_engines_in_time_order(tmp_path, capsys):
+    e = Engines(tmp_path)
+    e.start_read("req-1", 1.0)
+    e.start_read("req-2", 1.5)
+    e.finish_read("req-1", 2.0)
+    assert main(["replay", *e.close(), "--request", "req-1"]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("  t=")]
+    assert "request req-1" in out and "req-2" not in out.split("\n\n")[0]
+    assert [line.split()[2] for line in lines][:3] == ["prefill_started", "exported", "admitted"]
+    assert "prefill-0/P0" in out and "decode-0/D0" in out and "-> DONE" in out
+
+
+def test_cancelled_request_that_stopped_heartbeating_is_named(tmp_path, capsys):
+    """The vLLM 0.32 gap, as it shows in the logs: heartbeats stop at the client cancel."""
+    e = Engines(tmp_path)
+    e.start_read("req-1", 1.0)
+    e.D.record(ClientCancelled, "req-1", 1.5)
+    e.expire("req-1", 11.2)  # no heartbeat since t=1.1: P's lease runs out under the read
+    e.D.record(SplitCompleted, "req-1", 12.0, split=0)
+    code, out = _json(capsys, *e.close(), "--check")
+    assert code == 1
+    assert out["freed_under_read"] == 1
+    assert [v["invariant"] for v in out["violations"]] == ["heartbeat_gap"]
+    assert out["violations"][0]["event"] == "decode-0/D0#6 split_completed req-1"
+
+
+def test_bytes_served_after_p_freed_them_are_a_violation(tmp_path, capsys):
+    e = Engines(tmp_path)
+    e.start_read("req-1", 1.0)
+    e.D.record(LeaseAcknowledged, "req-1", 5.0, p_rank=0, sent_at=5.0, time_left=100.0)  # a lie
+    e.D.record(HeartbeatSent, "req-1", 5.0)
+    e.expire("req-1", 11.3)  # P never got the later heartbeats (a partition)
+    e.D.record(HeartbeatSent, "req-1", 12.0)
+    e.finish_read("req-1", 12.5)
+    code, out = _json(capsys, *e.close(), "--check")
+    assert code == 1
+    assert [v["invariant"] for v in out["violations"]] == ["served_freed"]
+    assert "after P freed the source at t=11.3" in out["violations"][0]["detail"]
+
+
+def test_double_free_is_named_and_check_fails_with_the_first_violation(tmp_path, capsys):
+    e = Engines(tmp_path)
+    e.start_read("req-1", 1.0)
+    e.finish_read("req-1", 2.0)
+    paths = e.close()
+    with open(paths[0], "ab") as f:  # a buggy engine frees again
+        f.write(orjson.dumps({"v": 1, "type": "freed", "rid": "req-1", "engine": "prefill-0",
+                              "side": "P", "rank": 0, "seq": 5, "t": 3.0}) + b"\n")
+    code = main(["replay", *paths, "--check"])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "VIOLATION double_free: prefill-0/P0#5 freed req-1" in captured.out
+    assert "first: double_free at prefill-0/P0#5 freed req-1" in captured.err
+
+
+def test_until_folds_each_stream_up_to_a_sequence_number(tmp_path, capsys):
+    e = Engines(tmp_path)
+    e.start_read("req-1", 1.0)
+    e.finish_read("req-1", 2.0)
+    code, out = _json(capsys, *e.close(), "--until", "1")
+    assert code == 0 and out["states"] == {"D:VALIDATED": 1, "P:EXPORTED": 1}
+
+
+def test_corrupt_log_names_file_and_line(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"v":1,"type":"exported"}\n')
+    assert main(["replay", str(path)]) == 2
+    assert f"{path}:1: field 'rid' must be str" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("side", ["P", "D"])
+def test_diagram_is_generated_from_the_machine(side, capsys):
+    assert main(["diagram", "--side", side]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("stateDiagram-v2")
+    states = PState if side == "P" else DState
+    for state in states:
+        if state.value != "NEW":
+            assert state.value in out
+
+
+def test_docs_embed_the_current_diagram():
+    doc = (ROOT / "docs" / "lifecycle.md").read_text()
+    assert lifecycle_markdown() in doc, "regenerate with: kvhandoff diagram >> docs/lifecycle.md"
