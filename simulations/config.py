@@ -1,0 +1,92 @@
+"""What one simulated run is made of: `RunConfig`, drawn per seed by a scenario.
+
+Times are seconds of simulated time.  The defaults describe a healthy
+deployment shaped like vLLM's NIXL connector (FIELD_NOTES.md): a 30 s lease,
+heartbeats every lease / 6, engine steps of a few milliseconds, READs of a
+few KV blocks over a fast fabric.  A scenario changes only what it is about.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvhandoff.transports.sim import LinkModel, NotifFaults, ReadFaults
+
+POLICIES = ("kvhandoff", "vllm-0.32")
+
+# Where in a request's life a client may cancel it.
+PHASES = ("arrival", "exported", "admitted", "reads_posted", "finished")
+
+
+@dataclass(slots=True)
+class CancelPlan:
+    """With probability ``rate`` a client cancels ``delay_s`` after reaching a phase.
+
+    Each cancelling client picks one of ``phases`` at random.
+    """
+
+    rate: float = 0.0
+    phases: tuple[str, ...] = ("arrival",)
+    delay_s: tuple[float, float] = (0.0, 0.1)
+
+
+@dataclass(slots=True)
+class RunConfig:
+    scenario: str
+    seed: int
+    policy: str = "kvhandoff"
+
+    # topology and sizes
+    tp: int = 1  # P and D tensor-parallel size (rank r of D reads rank r of P)
+    requests: int = 12
+    inter_arrival_s: float = 0.004  # mean, exponential
+    blocks_per_request: tuple[int, int] = (1, 8)
+    p_blocks: int = 96
+    d_blocks: int = 96
+    block_bytes: int = 64  # a multiple of 8: blocks hold 64-bit KV tokens
+    regions: int = 2  # K and V of one layer group
+
+    # lifecycle timing
+    lease_s: float = 30.0
+    heartbeat_s: float = 5.0  # lease / 6, as vLLM
+    margin_s: float = 0.5  # D's safety margin on P's reported time left
+    confirm_timeout_s: float = 15.0  # drained reads with no proof of safety: give up (fail)
+
+    # engine loops
+    p_step_s: float = 0.004
+    p_stall: float = 0.0  # probability that a P step stalls
+    p_stall_s: tuple[float, float] = (0.0, 0.0)
+    d_step_s: float = 0.002
+    step_jitter: float = 0.5  # a step lasts step_s * (1 + jitter * U(0, 1))
+    stall: float = 0.0  # probability that a step stalls (GC pause, long forward pass)
+    stall_s: tuple[float, float] = (0.0, 0.0)
+    prefill_s_per_block: float = 0.001
+    proxy_delay_s: tuple[float, float] = (0.0005, 0.003)  # P's params to D, through the proxy
+
+    # clients and requests
+    cancel: CancelPlan = field(default_factory=CancelPlan)
+    invalid_geometry: float = 0.0  # share of requests whose transfer params are malformed
+    prefix_hit: float = 0.0  # share of requests D already holds entirely (notify-only)
+
+    # the fabric and its faults
+    link: LinkModel = field(default_factory=lambda: LinkModel(read_timeout_s=120.0))
+    notif_faults: dict[str | None, NotifFaults] = field(default_factory=dict)  # by message kind
+    read_faults: ReadFaults = field(default_factory=ReadFaults)
+    partitions: list[tuple[float, float]] = field(default_factory=list)  # (start, duration), P<->D
+    crash_p_at: float | None = None
+    crash_d_at: float | None = None
+    wrong_peer_releases: float = 0.0  # share of requests a stray decode engine "releases"
+
+    # what the scenario is allowed to show under policy kvhandoff
+    exceeds_lease: bool = False  # faults longer than the lease: freed_under_read may be > 0
+
+    def validate(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy {self.policy!r}: expected one of {', '.join(POLICIES)}")
+        if not 1 <= self.tp <= 4:
+            raise ValueError(f"tp {self.tp}: expected 1..4")
+        if self.block_bytes % 8:
+            raise ValueError(f"block_bytes {self.block_bytes}: expected a multiple of 8")
+        for phase in self.cancel.phases:
+            if phase not in PHASES:
+                raise ValueError(f"cancel phase {phase!r}: expected one of {PHASES}")

@@ -1,0 +1,314 @@
+"""The decode engine (D) model: admit, validate, read, heartbeat, verify, release.
+
+D has ``tp`` worker ranks; rank r READs rank r of P (rank-local reads), so a
+request is ``tp`` READ splits.  The scheduler keeps one `Ledger` stream for
+the whole request; the workers post the READs and poll their completions.
+Every decision comes from the core: what to heartbeat (`heartbeat_due`),
+whether drained reads may be passed on (`read_verdict_of`), what the
+lifecycle allows next (the fold refuses anything else).
+
+D heartbeats a request as soon as it is admitted, not only every
+``heartbeat_s``: P's answer is what proves the source alive when the reads
+complete, and a request that waits a whole heartbeat period for it is slow.
+When reads drain with the verdict still PENDING, D asks again at once.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvhandoff.core.errors import GeometryMismatch, MalformedMessage
+from kvhandoff.core.events import (
+    Admitted,
+    ClientCancelled,
+    FinishedRecving,
+    HeartbeatSent,
+    LeaseAcknowledged,
+    ReadsPosted,
+    Rejected,
+    ReleaseSent,
+    Side,
+    SplitCompleted,
+    SplitFailed,
+    Stream,
+    Validated,
+)
+from kvhandoff.core.ledger import Ledger
+from kvhandoff.core.lifecycle import (
+    ConsumerRecord,
+    DState,
+    LifecycleState,
+    Verdict,
+    read_verdict_of,
+)
+from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Release, decode, encode
+from kvhandoff.core.planning import coalesce, validate_block_ids
+from kvhandoff.core.policy import heartbeat_due
+from kvhandoff.simulations import kv
+from kvhandoff.simulations.config import RunConfig
+from kvhandoff.simulations.loop import EngineLoop
+from kvhandoff.simulations.policies import DecodePolicy
+from kvhandoff.simulations.prefill import SimRequest, TransferParams
+from kvhandoff.transports.base import KVRegion, ReadRequest, TransportError
+from kvhandoff.transports.sim import SimBlockPool, SimNetwork
+
+
+@dataclass(slots=True)
+class Import:
+    """D's working data for one request (the lifecycle itself lives in the fold)."""
+
+    req: SimRequest
+    params: TransferParams
+    remote_ids: tuple[int, ...] = ()
+    local_ids: list[int] | None = None
+    drained_at: float | None = None
+    asked_at: float = -1.0
+    splits_failed: list[int] = field(default_factory=list)
+
+
+class DecodeEngine:
+    def __init__(self, name: str, cfg: RunConfig, net: SimNetwork, rng: random.Random,
+                 sink: Callable, policy: DecodePolicy, p_name: str, p_num_blocks: int,
+                 on_phase: Callable[[SimRequest, str], None],
+                 on_done: Callable[[SimRequest, str], None]) -> None:
+        self.name, self.cfg, self.net, self.policy = name, cfg, net, policy
+        self.clock = net.clock
+        self.p_name, self.p_num_blocks = p_name, p_num_blocks
+        self.on_phase, self.on_done = on_phase, on_done
+        self.agents = [net.agent(f"{name}.r{r}") for r in range(cfg.tp)]
+        self.peers = [f"{p_name}.r{r}" for r in range(cfg.tp)]
+        self.words: list[list[np.ndarray]] = []
+        for agent in self.agents:
+            regions = [KVRegion(f"kv{k}", np.zeros((cfg.d_blocks, cfg.block_bytes), np.uint8),
+                                cfg.d_blocks, cfg.block_bytes) for k in range(cfg.regions)]
+            agent.register(regions)
+            self.words.append([kv.words(agent.blocks(r.name)) for r in regions])
+        self.state = LifecycleState(retain_terminal=True)
+        self.stream = Stream(name, Side.D, 0)
+        self.ledger = Ledger(self.stream, self.state, sink)
+        self.pool = SimBlockPool(self.agents, cfg.d_blocks, source=False)
+        self.inbox: list[tuple[SimRequest, TransferParams]] = []
+        self.cancels: list[SimRequest] = []
+        self.waiting: dict[str, Import] = {}  # validated, waiting for pages
+        self.reading: dict[str, Import] = {}
+        self.handles: dict[tuple[int, int], tuple[str, int]] = {}
+        self.urgent: dict[str, None] = {}  # heartbeat at the end of this step
+        self.next_heartbeat = 0.0
+        self.served = self.served_corrupt = self.malformed = 0
+        self.loop = EngineLoop(self.clock, rng, self._step, cfg.d_step_s, cfg.step_jitter,
+                               cfg.stall, cfg.stall_s)
+
+    # -- inputs -------------------------------------------------------------
+
+    def submit(self, req: SimRequest, params: TransferParams) -> None:
+        req.stage = "decode"
+        self.inbox.append((req, params))
+        self.loop.wake()
+
+    def cancel(self, req: SimRequest) -> None:
+        self.cancels.append(req)
+        self.loop.wake()
+
+    # -- one scheduler step ------------------------------------------------------
+
+    def _step(self) -> bool:
+        now = self.clock.now
+        record = self.ledger.record
+        for agent in self.agents:
+            for n in agent.recv_notifs():
+                self._on_notification(n.message, now)
+        for rank, agent in enumerate(self.agents):
+            for c in agent.poll():
+                rid, split = self.handles.pop((rank, c.handle))
+                if c.ok:
+                    record(SplitCompleted, rid, now, split=split)
+                else:
+                    record(SplitFailed, rid, now, split=split, reason=c.reason)
+                    self.reading[rid].splits_failed.append(split)
+        lost = {p for agent in self.agents for p in agent.lost_peers()}
+        for req in self.cancels:
+            self._cancel(req, now)
+        self.cancels.clear()
+        for req, params in self.inbox:
+            self._admit(req, params, now)
+        self.inbox.clear()
+        more = self._post_reads(now)
+        self._report(now, lost)
+        self._heartbeat(now)
+        return more
+
+    def _on_notification(self, message: bytes, now: float) -> None:
+        try:
+            msg = decode(message)
+        except MalformedMessage:
+            self.malformed += 1
+            return
+        if not isinstance(msg, HeartbeatAck):
+            self.malformed += 1  # D expects nothing else from P
+            return
+        for rid, left in msg.time_left.items():
+            self.ledger.record(LeaseAcknowledged, rid, now, p_rank=msg.rank,
+                               sent_at=msg.sent_at, time_left=left)
+
+    def _release(self, rid: str, ranks) -> None:
+        for rank in ranks:
+            self.agents[rank].send_notif(self.peers[rank], encode(Release(rid, self.name, rank)))
+
+    def _finish_without_reads(self, imp_req: SimRequest, rid: str, outcome: str, now: float) -> None:
+        self.ledger.record(ReleaseSent, rid, now, notify_only=True)
+        self._release(rid, range(self.cfg.tp))
+        self.on_done(imp_req, outcome)
+
+    def _cancel(self, req: SimRequest, now: float) -> None:
+        rec = self.state.record(self.stream, req.rid)
+        if rec is None:  # not admitted yet: it is still in the inbox
+            self.inbox = [(r, p) for r, p in self.inbox if r is not req]
+            self.on_done(req, "cancelled")  # P's lease runs out: the orphan path
+            return
+        self.ledger.record(ClientCancelled, req.rid, now)
+        if rec.state is DState.CANCELLED:  # nothing was posted: release at once
+            self.waiting.pop(req.rid, None)
+            self._finish_without_reads(req, req.rid, "cancelled", now)
+        # CANCELLED_READING: the reads own P's blocks and our pages until they drain.
+
+    def _admit(self, req: SimRequest, params: TransferParams, now: float) -> None:
+        cfg = self.cfg
+        rid = params.request_id
+        self.ledger.record(Admitted, rid, now, remote_engine=params.remote_engine,
+                           remote_ranks=tuple(range(cfg.tp)), num_blocks=params.num_blocks,
+                           lease_s=cfg.lease_s, lease_margin_s=cfg.margin_s,
+                           local_request_id=f"local-{req.serial}")
+        self.on_phase(req, "admitted")
+        self.urgent[rid] = None
+        try:
+            ids = validate_block_ids(params.block_ids, self.p_num_blocks, "remote_block_ids")
+            if len(ids) != params.num_blocks:
+                raise GeometryMismatch("number of remote blocks", params.num_blocks, len(ids))
+            if params.remote_ranks != tuple(range(cfg.tp)):
+                raise GeometryMismatch("remote TP ranks", tuple(range(cfg.tp)), params.remote_ranks)
+        except GeometryMismatch as e:
+            self.ledger.record(Rejected, rid, now, reason=str(e))
+            self._finish_without_reads(req, rid, "rejected", now)
+            return
+        self.ledger.record(Validated, rid, now)
+        if req.prefix_hit:  # D already holds all of it: nothing to read
+            self._finish_without_reads(req, rid, "served", now)
+            return
+        self.waiting[rid] = Import(req, params, ids)
+
+    def _post_reads(self, now: float) -> bool:
+        posted = []
+        for rid, imp in self.waiting.items():
+            local = self.pool.allocate(len(imp.remote_ids))
+            if local is None:
+                break  # pages free up as other imports drain
+            imp.local_ids = local
+            posted.append(rid)
+            tp = self.cfg.tp
+            self.ledger.record(ReadsPosted, rid, now, split_ranks=tuple(range(tp)))
+            self.reading[rid] = imp
+            read = ReadRequest(runs=coalesce(imp.remote_ids, local))
+            for rank, agent in enumerate(self.agents):
+                release = encode(Release(rid, self.name, rank))
+                try:
+                    handle = agent.post_read(self.peers[rank], read, release)
+                except TransportError as e:
+                    self.ledger.record(SplitFailed, rid, now, split=rank, reason=f"post: {e}")
+                    imp.splits_failed.append(rank)
+                else:
+                    self.handles[(rank, handle)] = (rid, rank)
+            self.on_phase(imp.req, "reads_posted")
+        for rid in posted:
+            del self.waiting[rid]
+        return False
+
+    def _report(self, now: float, lost: set[str]) -> None:
+        cfg = self.cfg
+        done = []
+        for rid, imp in self.reading.items():
+            rec = self.state.record(self.stream, rid)
+            assert isinstance(rec, ConsumerRecord)
+            if any(d is None for d in rec.split_done):
+                continue
+            if imp.drained_at is None:
+                imp.drained_at = now
+            verdict = read_verdict_of(rec)
+            if verdict is Verdict.PENDING:
+                peer_gone = any(self.peers[r] in lost for r in rec.split_ranks)
+                if not peer_gone and now - imp.drained_at < cfg.confirm_timeout_s:
+                    if now - imp.asked_at >= cfg.heartbeat_s or imp.asked_at < 0:
+                        imp.asked_at = now
+                        self.urgent[rid] = None
+                    self._arm(imp.drained_at + cfg.confirm_timeout_s)
+                    continue
+            done.append(rid)
+            self._finish_reads(rid, imp, rec, verdict, now)
+        for rid in done:
+            del self.reading[rid]
+
+    def _finish_reads(self, rid: str, imp: Import, rec: ConsumerRecord, verdict: Verdict,
+                      now: float) -> None:
+        record = self.ledger.record
+        record(FinishedRecving, rid, now)
+        req = imp.req
+        serve = False
+        if rec.state is DState.RECEIVED:
+            record(ReleaseSent, rid, now, notify_only=False)  # the READs carried it
+            serve = not rec.cancelled
+        else:
+            record(ReleaseSent, rid, now, notify_only=True)
+            # Splits that failed never delivered their release: tell those P ranks.
+            self._release(rid, imp.splits_failed)
+            serve = (self.policy.serve_unconfirmed and not rec.cancelled
+                     and not imp.splits_failed)
+        if serve:
+            self.served += 1
+            if not self._bytes_match(imp):
+                self.served_corrupt += 1
+        outcome = "served" if serve else ("cancelled" if rec.cancelled else "failed")
+        for rank in range(self.cfg.tp):
+            self.pool.free(imp.local_ids, rank)
+        self.on_done(req, outcome)
+
+    def _bytes_match(self, imp: Import) -> bool:
+        serial = imp.req.serial
+        for rank, regions in enumerate(self.words):
+            for region, rows in enumerate(regions):
+                if not kv.matches(rows, imp.local_ids, serial, rank, region):
+                    return False
+        return True
+
+    def _heartbeat(self, now: float) -> None:
+        periodic = now >= self.next_heartbeat
+        if not periodic and not self.urgent:
+            return
+        due = heartbeat_due(self.state, self.stream).get(self.p_name, [])
+        if self.policy.stop_heartbeat_on_cancel:
+            requests = self.state.stream(self.stream).requests
+            due = [rid for rid in due if not requests[rid].cancelled]
+        if not periodic:
+            due = [rid for rid in due if rid in self.urgent]
+        self.urgent.clear()
+        if periodic:
+            self.next_heartbeat = now + self.cfg.heartbeat_s
+        if not due:
+            return
+        for rid in due:
+            self.ledger.record(HeartbeatSent, rid, now)
+        for rank, agent in enumerate(self.agents):
+            agent.send_notif(self.peers[rank], encode(Heartbeat(self.name, rank, now, tuple(due))))
+        if periodic:
+            self._arm(self.next_heartbeat)
+
+    def _arm(self, t: float) -> None:
+        self.loop.wake_at(t)
+
+    # -- end of run -----------------------------------------------------------------
+
+    def unfinished(self) -> list[str]:
+        return [f"{self.stream}:{rid}" for rid, rec in self.state.stream(self.stream).requests.items()
+                if rec.state is not DState.DONE]

@@ -1,0 +1,213 @@
+"""The prefill engine (P) model: prefill, export with a lease, serve heartbeats, free once.
+
+P has ``tp`` ranks.  Its scheduler allocates block ids once for all ranks
+(as vLLM's does); each rank is one transport agent holding its shard of the
+KV in its own memory, keeps its own lease per request (its own `Ledger`
+stream) and frees its copy when its fold says so.  Every decision comes from
+the core: which leases expired (`expired_leases`), what to free (`to_free`),
+what to answer a heartbeat (`lease_time_left`).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvhandoff.core.errors import MalformedMessage
+from kvhandoff.core.events import (
+    Aborted,
+    Exported,
+    Freed,
+    HeartbeatReceived,
+    LeaseExpired,
+    PrefillStarted,
+    ReleaseNotified,
+    Side,
+    Stream,
+)
+from kvhandoff.core.ledger import Ledger
+from kvhandoff.core.lifecycle import LifecycleState, ProducerRecord, PState
+from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Release, decode, encode
+from kvhandoff.core.policy import expired_leases, lease_time_left, to_free
+from kvhandoff.simulations import kv
+from kvhandoff.simulations.config import RunConfig
+from kvhandoff.simulations.loop import EngineLoop
+from kvhandoff.transports.base import KVRegion
+from kvhandoff.transports.sim import SimBlockPool, SimNetwork
+
+
+@dataclass(slots=True)
+class SimRequest:
+    """One client request as the world tracks it."""
+
+    rid: str
+    serial: int
+    num_blocks: int
+    arrival: float
+    malformed: bool = False
+    prefix_hit: bool = False
+    stage: str = "new"  # new, prefill, proxy, decode, done
+    outcome: str = ""  # served, failed, rejected, cancelled, orphaned
+    cancelled: bool = False
+    cancel_phase: str = ""  # the phase after which this client cancels ("" never)
+
+
+@dataclass(slots=True)
+class TransferParams:
+    """What P hands D through the proxy (vLLM's ``kv_transfer_params``)."""
+
+    request_id: str
+    remote_engine: str
+    remote_ranks: tuple[int, ...]
+    block_ids: list
+    num_blocks: int
+
+
+class PrefillEngine:
+    def __init__(self, name: str, cfg: RunConfig, net: SimNetwork, rng: random.Random,
+                 sink: Callable, on_exported: Callable[[SimRequest, TransferParams], None]) -> None:
+        self.name, self.cfg, self.net = name, cfg, net
+        self.clock = net.clock
+        self.on_exported = on_exported
+        self.agents = [net.agent(f"{name}.r{r}") for r in range(cfg.tp)]
+        self.words: list[list[np.ndarray]] = []
+        for agent in self.agents:
+            regions = [KVRegion(f"kv{k}", np.zeros((cfg.p_blocks, cfg.block_bytes), np.uint8),
+                                cfg.p_blocks, cfg.block_bytes) for k in range(cfg.regions)]
+            agent.register(regions)
+            self.words.append([kv.words(agent.blocks(r.name)) for r in regions])
+        # Terminal records are kept: P answers a late heartbeat for a request it
+        # released with "released" (0), not "unknown" (< 0).
+        self.state = LifecycleState(retain_terminal=True)
+        self.streams = [Stream(name, Side.P, r) for r in range(cfg.tp)]
+        self.ledgers = [Ledger(s, self.state, sink) for s in self.streams]
+        self.pool = SimBlockPool(self.agents, cfg.p_blocks)
+        self.queue: deque[SimRequest] = deque()
+        self.prefilling: dict[str, SimRequest] = {}
+        self.prefilled: list[SimRequest] = []
+        self.aborts: list[str] = []
+        self.blocks: dict[str, list[int]] = {}
+        self.requests: dict[str, SimRequest] = {}
+        self.malformed = 0
+        self.loop = EngineLoop(self.clock, rng, self._step, cfg.p_step_s, cfg.step_jitter,
+                               cfg.p_stall, cfg.p_stall_s)
+
+    # -- inputs -------------------------------------------------------------
+
+    def submit(self, req: SimRequest) -> None:
+        req.stage = "prefill"
+        self.requests[req.rid] = req
+        self.queue.append(req)
+        self.loop.wake()
+
+    def cancel(self, req: SimRequest) -> None:
+        if req in self.queue:
+            self.queue.remove(req)  # never started: nothing to log, nothing held
+        elif (req.rid in self.prefilling or req in self.prefilled) and req.rid not in self.aborts:
+            self.aborts.append(req.rid)
+        self.loop.wake()
+
+    def _prefill_done(self, req: SimRequest) -> None:
+        if self.prefilling.pop(req.rid, None) is not None:
+            self.prefilled.append(req)
+            self.loop.wake()
+
+    # -- one scheduler step ------------------------------------------------------
+
+    def _step(self) -> bool:
+        now = self.clock.now
+        cfg = self.cfg
+        for rank, agent in enumerate(self.agents):
+            for n in agent.recv_notifs():
+                self._on_notification(rank, n.peer, n.message, now)
+        for rid in self.aborts:
+            self.prefilling.pop(rid, None)
+            self.prefilled = [r for r in self.prefilled if r.rid != rid]
+            for ledger in self.ledgers:
+                ledger.record(Aborted, rid, now, reason="client cancelled during prefill")
+        self.aborts.clear()
+        for req in self.prefilled:
+            ids = self.blocks[req.rid]
+            for rank, ledger in enumerate(self.ledgers):
+                for region, rows in enumerate(self.words[rank]):
+                    kv.write(rows, ids, req.serial, rank, region)
+                ledger.record(Exported, req.rid, now, lease_s=cfg.lease_s, consumer_ranks=(rank,),
+                              num_blocks=len(ids))
+            self.on_exported(req, TransferParams(req.rid, self.name, tuple(range(cfg.tp)),
+                                                 list(ids), len(ids)))
+        self.prefilled.clear()
+        freed = self._reap(now)
+        while self.queue:
+            ids = self.pool.allocate(self.queue[0].num_blocks)
+            if ids is None:
+                break
+            req = self.queue.popleft()
+            self.blocks[req.rid] = ids
+            for ledger in self.ledgers:
+                ledger.record(PrefillStarted, req.rid, now)
+            self.prefilling[req.rid] = req
+            self.clock.call_at(now + cfg.prefill_s_per_block * len(ids), self._prefill_done, req)
+        self._arm_lease_timer()
+        return bool(freed and self.queue)
+
+    def _on_notification(self, rank: int, peer: str, message: bytes, now: float) -> None:
+        try:
+            msg = decode(message)
+        except MalformedMessage:
+            self.malformed += 1
+            return
+        ledger = self.ledgers[rank]
+        if isinstance(msg, Release):
+            ledger.record(ReleaseNotified, msg.request_id, now, from_engine=msg.engine,
+                          consumer_rank=msg.rank)
+        elif isinstance(msg, Heartbeat):
+            left = {}
+            stream = self.streams[rank]
+            for rid in msg.request_ids:
+                ledger.record(HeartbeatReceived, rid, now, from_engine=msg.engine)
+                left[rid] = self._time_left(stream, rid, msg.engine, now)
+            ack = HeartbeatAck(self.name, rank, msg.sent_at, left)
+            self.agents[rank].send_notif(peer, encode(ack))
+        else:
+            self.malformed += 1  # P never expects an acknowledgement
+
+    def _time_left(self, stream: Stream, rid: str, asker: str, now: float) -> float:
+        # A lease bound to another consumer is not the asker's: "gone" for it.
+        rec = self.state.record(stream, rid)
+        if isinstance(rec, ProducerRecord) and rec.consumer and rec.consumer != asker:
+            return -1.0
+        return lease_time_left(self.state, stream, rid, now)
+
+    def _reap(self, now: float) -> int:
+        freed = 0
+        for rank, (stream, ledger) in enumerate(zip(self.streams, self.ledgers, strict=True)):
+            for rid in expired_leases(self.state, stream, now):
+                ledger.record(LeaseExpired, rid, now)
+            for rid in to_free(self.state, stream):
+                ledger.record(Freed, rid, now)
+                self.pool.free(self.blocks[rid], rank)
+                freed += 1
+        return freed
+
+    def _arm_lease_timer(self) -> None:
+        nearest = float("inf")
+        for stream in self.streams:
+            for rec in self.state.stream(stream).requests.values():
+                if rec.state is PState.EXPORTED and rec.deadline < nearest:
+                    nearest = rec.deadline
+        if nearest < float("inf"):
+            self.loop.wake_at(nearest)
+
+    # -- end of run -----------------------------------------------------------------
+
+    def unfinished(self) -> list[str]:
+        """Requests this engine has not freed (on any rank)."""
+        out = []
+        for ss in (self.state.stream(s) for s in self.streams):
+            out.extend(f"{ss.stream}:{rid}" for rid, rec in ss.requests.items()
+                       if rec.state is not PState.FREED)
+        return out

@@ -1,0 +1,234 @@
+"""The scenario catalogue: each name reproduces one race of the P/D hand-off.
+
+A scenario turns a seed into a `RunConfig`: it starts from a healthy
+deployment and changes only what it is about, drawing its own parameters
+(tensor parallelism, sizes, fault rates, timings) from the seed.  `swarm`
+draws every fault at once, with rates drawn per seed.
+
+``exceeds_lease`` marks the runs whose faults are longer than any lease can
+cover (a partition longer than the lease, a request that reaches D after its
+lease ran out): there P may legitimately free blocks under a READ, and the
+only promise left is the one that matters, that D never serves those bytes.
+
+docs/simulation.md describes each scenario; keep the two in step.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from kvhandoff.simulations.config import CancelPlan, RunConfig
+from kvhandoff.transports.sim import NotifFaults, ReadFaults, sub_seed
+
+Builder = Callable[[RunConfig, random.Random], None]
+SCENARIOS: dict[str, tuple[str, Builder]] = {}
+
+
+def scenario(name: str, what: str) -> Callable[[Builder], Builder]:
+    def register(fn: Builder) -> Builder:
+        SCENARIOS[name] = (what, fn)
+        return fn
+    return register
+
+
+def build(name: str, seed: int, policy: str = "kvhandoff") -> RunConfig:
+    """The run that scenario ``name`` draws from ``seed``."""
+    if name not in SCENARIOS:
+        raise KeyError(f"unknown scenario {name!r}; known: {', '.join(SCENARIOS)}")
+    rng = random.Random(sub_seed(seed, f"scenario/{name}"))
+    cfg = RunConfig(scenario=name, seed=seed, policy=policy)
+    cfg.tp = rng.choice((1, 1, 2, 4))
+    cfg.requests = rng.randint(8, 16)
+    SCENARIOS[name][1](cfg, rng)
+    cfg.validate()
+    return cfg
+
+
+def names() -> list[str]:
+    return list(SCENARIOS)
+
+
+def _slow_reads(cfg: RunConfig, share: float, lo: float = 1.2, hi: float = 2.5) -> None:
+    """Some READs take longer than the lease (congestion, a straggling NIC)."""
+    cfg.read_faults = ReadFaults(fail=cfg.read_faults.fail, slow=share,
+                                 slow_s=(lo * cfg.lease_s, hi * cfg.lease_s))
+
+
+# --- the catalogue ----------------------------------------------------------------
+
+
+@scenario("steady_state", "healthy traffic, a few cancellations anywhere: the baseline")
+def _steady(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.cancel = CancelPlan(0.1, ("arrival", "exported", "admitted", "reads_posted", "finished"),
+                            (0.0, 0.02))
+
+
+@scenario("cancel_during_read",
+          "the client cancels while READs that outlast the lease are in flight "
+          "(vLLM 0.32 stops heartbeating: P frees under the READ)")
+def _cancel_during_read(cfg: RunConfig, rng: random.Random) -> None:
+    _slow_reads(cfg, share=rng.uniform(0.5, 1.0))
+    cfg.cancel = CancelPlan(rng.uniform(0.4, 0.9), ("reads_posted",), (0.001, 0.3 * cfg.lease_s))
+
+
+@scenario("cancel_before_read",
+          "the client cancels before any READ was posted: at P, in the proxy, or while D "
+          "waits for pages (notify-only release, or the orphaned lease expires)")
+def _cancel_before_read(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.d_blocks = rng.randint(8, 24)  # pages are scarce: imports wait in VALIDATED
+    cfg.cancel = CancelPlan(rng.uniform(0.3, 0.8), ("arrival", "exported", "admitted"),
+                            (0.0, 0.02))
+
+
+@scenario("reject_invalid_geometry",
+          "malformed transfer parameters (out-of-range, negative, duplicate, mistyped block "
+          "ids, wrong count): D rejects and releases notify-only; P frees at once")
+def _reject(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.invalid_geometry = rng.uniform(0.3, 0.8)
+
+
+@scenario("full_prefix_hit_notify_only",
+          "D already holds the whole prefix: nothing to read, a notify-only release frees P")
+def _prefix_hit(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.prefix_hit = rng.uniform(0.3, 1.0)
+
+
+@scenario("lease_expiry_boundary",
+          "the proxy hands requests to D around the moment their lease ends; some arrive "
+          "after it (D must refuse what it reads then)")
+def _boundary(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.lease_s, cfg.heartbeat_s, cfg.margin_s = 2.0, 2.0 / 6, 0.1
+    cfg.confirm_timeout_s = 1.0
+    cfg.proxy_delay_s = (0.8 * cfg.lease_s, 1.2 * cfg.lease_s)
+    cfg.exceeds_lease = True
+
+
+@scenario("heartbeat_loss_tolerated",
+          "up to two heartbeats in a row (and acknowledgements) are lost while long READs run: "
+          "the lease must survive")
+def _hb_loss(cfg: RunConfig, rng: random.Random) -> None:
+    drop = rng.uniform(0.2, 0.6)
+    cfg.notif_faults = {
+        "hb": NotifFaults(drop=drop, max_consecutive_drops=2),
+        "ack": NotifFaults(drop=drop, max_consecutive_drops=2),
+    }
+    _slow_reads(cfg, share=0.5)
+    cfg.cancel = CancelPlan(0.3, ("reads_posted",), (0.001, 10.0))
+
+
+@scenario("partition_beyond_lease",
+          "P and D are cut off for longer than the lease while READs are in flight: P "
+          "expires and reuses the blocks; D must fail those requests, not serve them")
+def _partition(cfg: RunConfig, rng: random.Random) -> None:
+    _slow_reads(cfg, share=0.3, lo=0.01, hi=0.2)
+    start = rng.uniform(0.0, 0.05)
+    cfg.partitions = [(start, rng.uniform(1.2, 2.0) * cfg.lease_s)]
+    cfg.exceeds_lease = True
+
+
+@scenario("p_crash_mid_read", "P dies while READs are in flight: D fails them and finishes")
+def _p_crash(cfg: RunConfig, rng: random.Random) -> None:
+    _slow_reads(cfg, share=0.5, lo=0.01, hi=0.5)
+    cfg.crash_p_at = rng.uniform(0.005, 0.06)
+
+
+@scenario("d_crash_mid_read",
+          "D dies while READs are in flight: P frees every lease once it runs out")
+def _d_crash(cfg: RunConfig, rng: random.Random) -> None:
+    _slow_reads(cfg, share=0.5, lo=0.01, hi=0.5)
+    cfg.crash_d_at = rng.uniform(0.005, 0.06)
+
+
+@scenario("duplicate_release_notification",
+          "release notifications arrive twice (and out of order): P frees once, counts the rest")
+def _dup_release(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.notif_faults = {"rel": NotifFaults(duplicate=rng.uniform(0.5, 1.0), reorder=0.5)}
+    cfg.invalid_geometry = 0.1
+    cfg.cancel = CancelPlan(0.2, ("admitted", "reads_posted"), (0.0, 0.01))
+
+
+@scenario("stale_release_after_expiry",
+          "a release is delayed past the lease; P expired the lease meanwhile and must "
+          "ignore it")
+def _stale_release(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.notif_faults = {"rel": NotifFaults(delay=rng.uniform(0.3, 1.0), delay_s=2.0 * cfg.lease_s)}
+
+
+@scenario("release_from_wrong_peer",
+          "a decode engine that is not the consumer sends releases for live requests: P "
+          "must not free on them")
+def _wrong_peer(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.wrong_peer_releases = rng.uniform(0.3, 1.0)
+    _slow_reads(cfg, share=0.3, lo=0.01, hi=0.1)
+
+
+@scenario("tp2_split_reads",
+          "TP=2: every request is two rank-local READ splits that complete independently")
+def _tp2(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.tp = 2
+    _slow_reads(cfg, share=0.3, lo=0.001, hi=0.05)
+    cfg.cancel = CancelPlan(0.2, ("reads_posted",), (0.0, 0.02))
+
+
+@scenario("split_failure_drains_others",
+          "one split fails while the others are still in flight: the request fails, its "
+          "pages and P's blocks stay held until every split drained")
+def _split_failure(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.tp = rng.choice((2, 4))
+    cfg.read_faults = ReadFaults(fail=rng.uniform(0.2, 0.5), slow=0.5,
+                                 slow_s=(0.01, 0.5 * cfg.lease_s))
+
+
+@scenario("slow_engine_loop",
+          "D's (and P's) engine loop stalls for seconds at a time (GC, long forward passes): "
+          "heartbeats go out late but within the lease")
+def _slow_loop(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.stall, cfg.stall_s = rng.uniform(0.05, 0.3), (0.5, 2.0 * cfg.heartbeat_s)
+    cfg.p_stall, cfg.p_stall_s = rng.uniform(0.0, 0.2), (0.5, 2.0 * cfg.heartbeat_s)
+    _slow_reads(cfg, share=0.4)
+    cfg.cancel = CancelPlan(0.3, ("reads_posted", "admitted"), (0.0, 5.0))
+
+
+@scenario("swarm", "every fault at once, each rate drawn per seed (swarm testing)")
+def _swarm(cfg: RunConfig, rng: random.Random) -> None:
+    def maybe(p: float = 0.5) -> bool:
+        return rng.random() < p
+
+    lease = cfg.lease_s
+    cfg.tp = rng.randint(1, 4)
+    cfg.requests = rng.randint(8, 24)
+    if maybe(0.3):
+        cfg.d_blocks = rng.randint(16, 48)
+    if maybe():
+        cfg.cancel = CancelPlan(rng.uniform(0.05, 0.6),
+                                tuple(rng.sample(("arrival", "exported", "admitted",
+                                                  "reads_posted", "finished"),
+                                                 rng.randint(1, 5))),
+                                (0.0, rng.choice((0.01, 1.0, 0.3 * lease))))
+    cfg.invalid_geometry = rng.uniform(0.0, 0.3) if maybe(0.3) else 0.0
+    cfg.prefix_hit = rng.uniform(0.0, 0.3) if maybe(0.3) else 0.0
+    faults = {}
+    for kind in ("hb", "ack", "rel"):
+        if maybe():
+            faults[kind] = NotifFaults(
+                drop=rng.uniform(0.0, 0.5) if kind != "rel" else 0.0,
+                duplicate=rng.uniform(0.0, 0.5), delay=rng.uniform(0.0, 0.3),
+                delay_s=rng.uniform(0.0, 0.3) * lease, reorder=rng.uniform(0.0, 0.5),
+                max_consecutive_drops=2)
+    cfg.notif_faults = faults
+    cfg.read_faults = ReadFaults(fail=rng.uniform(0.0, 0.2) if maybe(0.3) else 0.0,
+                                 slow=rng.uniform(0.0, 0.5) if maybe() else 0.0,
+                                 slow_s=(0.001, rng.uniform(0.01, 2.5) * lease))
+    if maybe(0.3):
+        cfg.stall, cfg.stall_s = rng.uniform(0.0, 0.2), (0.1, 2.0 * cfg.heartbeat_s)
+    if maybe(0.2):
+        duration = rng.uniform(0.1, 2.0) * lease
+        cfg.partitions = [(rng.uniform(0.0, 0.1), duration)]
+        cfg.exceeds_lease = duration > 0.5 * lease
+    if maybe(0.1):
+        cfg.crash_p_at = rng.uniform(0.0, 0.1)
+    elif maybe(0.1):
+        cfg.crash_d_at = rng.uniform(0.0, 0.1)
+    if maybe(0.2):
+        cfg.wrong_peer_releases = rng.uniform(0.0, 0.5)

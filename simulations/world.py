@@ -1,0 +1,347 @@
+"""One simulated run: a P engine, a D engine, clients, a faulty fabric, one seed.
+
+`World(cfg).run()` builds everything from ``cfg`` (drawn by a scenario from
+a seed), plays the clients' requests through P → proxy → D, injects the
+scenario's faults, runs until nothing is left to happen (the liveness phase:
+partitions have healed, leases have run out) and measures what the issue
+asks for.  Both engines write real event logs through their `Ledger`s; the
+run's ``log_hash`` is a hash of exactly those bytes.
+
+Everything random comes from ``random.Random`` seeded with sub-seeds of the
+run seed (`sub_seed`), and time is the `SimClock`'s: a seed replays bit for
+bit, in this process or another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import orjson
+
+from kvhandoff.core.lifecycle import HEARTBEAT_STATES, PState
+from kvhandoff.core.log import encode_event
+from kvhandoff.core.messages import Release, encode
+from kvhandoff.simulations.config import RunConfig
+from kvhandoff.simulations.decode import DecodeEngine
+from kvhandoff.simulations.policies import POLICY_BY_NAME
+from kvhandoff.simulations.prefill import PrefillEngine, SimRequest, TransferParams
+from kvhandoff.transports.base import KVRegion
+from kvhandoff.transports.sim import SimClock, SimNetwork, sub_seed
+
+MAX_CLOCK_STEPS = 2_000_000  # a run that needs more is livelocked: reported as stuck
+
+METRICS = ("requests", "served", "failed", "rejected", "cancelled", "freed_under_read",
+           "served_corrupt", "double_frees", "leaks", "stuck", "overwritten_under_read",
+           "ignored_notifications", "lease_expiries", "events")
+
+
+def _message_kind(message: bytes) -> str:
+    try:
+        return str(orjson.loads(message).get("k", "?"))
+    except (orjson.JSONDecodeError, AttributeError):
+        return "?"
+
+
+@dataclass
+class RunResult:
+    scenario: str
+    seed: int
+    policy: str
+    metrics: dict[str, int]
+    violations: list[dict]
+    log_hash: str
+    p_log: bytes = b""
+    d_log: bytes = b""
+    sim_time: float = 0.0
+    clock_steps: int = 0
+
+
+@dataclass
+class _Outcomes:
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def add(self, outcome: str) -> None:
+        self.counts[outcome] = self.counts.get(outcome, 0) + 1
+
+
+class World:
+    def __init__(self, cfg: RunConfig) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.policy = POLICY_BY_NAME[cfg.policy]
+        self.clock = SimClock()
+        self.rng = random.Random(sub_seed(cfg.seed, "world"))
+        self.net = SimNetwork(self.clock, sub_seed(cfg.seed, "fabric"), cfg.link,
+                              kind_of=_message_kind)
+        for kind, faults in cfg.notif_faults.items():
+            self.net.set_notif_faults(faults, kind)
+        self.net.read_faults = cfg.read_faults
+        self.p_lines: list[bytes] = []
+        self.d_lines: list[bytes] = []
+        self.p = PrefillEngine("prefill-0", cfg, self.net, random.Random(sub_seed(cfg.seed, "P")),
+                               self._p_sink, self._exported)
+        self.d = DecodeEngine("decode-0", cfg, self.net, random.Random(sub_seed(cfg.seed, "D")),
+                              self._d_sink, self.policy, self.p.name, cfg.p_blocks,
+                              self._phase, self._done)
+        self._handshake()
+        owners = {a.name: self.p.loop for a in self.p.agents}
+        owners.update({a.name: self.d.loop for a in self.d.agents})
+        self.net.on_deliver = lambda name: (loop := owners.get(name)) and loop.wake()
+        self.requests: list[SimRequest] = []
+        self.outcomes = _Outcomes()
+        self._plan()
+
+    # -- sinks: the engines' event logs ----------------------------------------
+
+    def _p_sink(self, event) -> None:
+        self.p_lines.append(encode_event(event))
+
+    def _d_sink(self, event) -> None:
+        self.d_lines.append(encode_event(event))
+
+    # -- set-up -------------------------------------------------------------
+
+    def _handshake(self) -> None:
+        # Rank-local: D rank r talks to P rank r only (metadata over a side channel).
+        for p_agent, d_agent in zip(self.p.agents, self.d.agents, strict=True):
+            d_agent.add_peer(p_agent.metadata())
+            p_agent.add_peer(d_agent.metadata())
+        self.stray = None
+        if self.cfg.wrong_peer_releases:
+            # A decode engine that is not the request's consumer (restarted with
+            # stale state, or misrouted) and sends releases P must not honour.
+            self.stray = self.net.agent("decode-stray.r0")
+            self.stray.register([KVRegion("kv0", np.zeros((1, 8), np.uint8), 1, 8)])
+            for p_agent in self.p.agents:
+                self.stray.add_peer(p_agent.metadata())
+                p_agent.add_peer(self.stray.metadata())
+
+    def _plan(self) -> None:
+        cfg, rng, clock = self.cfg, self.rng, self.clock
+        t = 0.0
+        lo, hi = cfg.blocks_per_request
+        for i in range(cfg.requests):
+            t += rng.expovariate(1.0 / cfg.inter_arrival_s)
+            req = SimRequest(f"req-{i}", i, rng.randint(lo, hi), t)
+            req.malformed = rng.random() < cfg.invalid_geometry
+            req.prefix_hit = rng.random() < cfg.prefix_hit
+            if cfg.cancel.rate and rng.random() < cfg.cancel.rate:
+                req.cancel_phase = rng.choice(cfg.cancel.phases)
+            self.requests.append(req)
+            clock.call_at(t, self._arrive, req)
+        self.last_arrival = t
+        fault_end = t
+        for start, duration in cfg.partitions:
+            for pa in self.p.agents:
+                for da in self.d.agents:
+                    self.net.partition(pa.name, da.name, start, start + duration)
+            fault_end = max(fault_end, start + duration)
+        if cfg.crash_p_at is not None:
+            clock.call_at(cfg.crash_p_at, self._crash_p)
+        if cfg.crash_d_at is not None:
+            clock.call_at(cfg.crash_d_at, self._crash_d)
+        self.horizon = fault_end + 6 * cfg.lease_s + cfg.link.read_timeout_s + cfg.confirm_timeout_s
+
+    # -- clients and proxy ---------------------------------------------------------
+
+    def _arrive(self, req: SimRequest) -> None:
+        self._maybe_cancel(req, "arrival")
+        if req.stage == "new":
+            if self.p.loop.dead:
+                self._done(req, "failed")
+            else:
+                self.p.submit(req)
+
+    def _maybe_cancel(self, req: SimRequest, phase: str) -> None:
+        if req.cancel_phase != phase:
+            return
+        lo, hi = self.cfg.cancel.delay_s
+        self.clock.call_at(self.clock.now + lo + self.rng.random() * (hi - lo), self._cancel, req)
+
+    def _cancel(self, req: SimRequest) -> None:
+        if req.cancelled:
+            return
+        req.cancelled = True
+        if req.stage == "prefill":
+            self.p.cancel(req)
+            self._done(req, "cancelled")
+        elif req.stage == "new":
+            self._done(req, "cancelled")
+        elif req.stage in ("decode", "done") and not self.d.loop.dead and req.outcome != "orphaned":
+            self.d.cancel(req)  # after "done" this is the harmless late cancel
+        # "proxy": the proxy drops it; P's lease runs out (the orphan path)
+
+    def _exported(self, req: SimRequest, params: TransferParams) -> None:
+        if req.stage != "prefill":
+            return  # cancelled while prefilling: the abort is on its way
+        req.stage = "proxy"
+        if self.stray is not None and self.rng.random() < self.cfg.wrong_peer_releases:
+            self.clock.call_at(self.clock.now + self.rng.random() * 0.02, self._stray_release,
+                               req.rid)
+        if req.malformed:
+            params = self._corrupt(params)
+        lo, hi = self.cfg.proxy_delay_s
+        self.clock.call_at(self.clock.now + lo + self.rng.random() * (hi - lo),
+                           self._forward, req, params)
+        self._maybe_cancel(req, "exported")
+
+    def _forward(self, req: SimRequest, params: TransferParams) -> None:
+        if req.cancelled:
+            req.stage = "done"
+            self.outcomes.add("orphaned")
+            req.outcome = "orphaned"
+            return
+        if self.d.loop.dead:
+            self._done(req, "failed")
+            return
+        self.d.submit(req, params)
+
+    def _corrupt(self, params: TransferParams) -> TransferParams:
+        ids = list(params.block_ids)
+        how = self.rng.randrange(5)
+        if how == 0:
+            ids[self.rng.randrange(len(ids))] = self.cfg.p_blocks + self.rng.randrange(100)
+        elif how == 1:
+            ids[self.rng.randrange(len(ids))] = -1
+        elif how == 2:
+            ids.append(ids[0])  # a duplicate block
+            return TransferParams(params.request_id, params.remote_engine, params.remote_ranks,
+                                  ids, len(ids))
+        elif how == 3:
+            ids[0] = str(ids[0])  # a wrong type from a hostile client
+        else:
+            return TransferParams(params.request_id, params.remote_engine,
+                                  params.remote_ranks, ids, len(ids) + 1)
+        return TransferParams(params.request_id, params.remote_engine, params.remote_ranks,
+                              ids, params.num_blocks)
+
+    def _stray_release(self, rid: str) -> None:
+        if self.stray is None or self.p.loop.dead:
+            return
+        for rank, p_agent in enumerate(self.p.agents):
+            self.stray.send_notif(p_agent.name, encode(Release(rid, "decode-stray", rank)))
+
+    def _phase(self, req: SimRequest, phase: str) -> None:
+        self._maybe_cancel(req, phase)
+
+    def _done(self, req: SimRequest, outcome: str) -> None:
+        if req.outcome:
+            return
+        req.outcome = outcome
+        req.stage = "done"
+        self.outcomes.add(outcome)
+        self._maybe_cancel(req, "finished")
+
+    # -- crashes --------------------------------------------------------------------
+
+    def _crash_p(self) -> None:
+        for agent in self.p.agents:
+            self.net.crash(agent.name)
+        self.p.loop.dead = True
+        for req in self.requests:
+            if req.stage == "prefill":
+                self._done(req, "failed")
+
+    def _crash_d(self) -> None:
+        for agent in self.d.agents:
+            self.net.crash(agent.name)
+        self.d.loop.dead = True
+        for req in self.requests:
+            if req.stage == "decode":
+                self._done(req, "failed")
+
+    # -- running -----------------------------------------------------------------------
+
+    def run(self, on_step: Callable[[World], None] | None = None) -> RunResult:
+        clock = self.clock
+        steps = 0
+        while clock.next_time() <= self.horizon and steps < MAX_CLOCK_STEPS:
+            clock.step()
+            steps += 1
+            if on_step is not None:
+                on_step(self)
+        self.net.heal_all()
+        return self.result()
+
+    def result(self) -> RunResult:
+        cfg, p, d, net = self.cfg, self.p, self.d, self.net
+        counts = self.outcomes.counts
+        stuck = sum(1 for r in self.requests if not r.outcome)
+        leaks = 0
+        if not p.loop.dead:
+            stuck += len(p.unfinished())
+            leaks += p.pool.used_blocks
+        if not d.loop.dead:
+            stuck += len(d.unfinished())
+            leaks += d.pool.used_blocks
+        ignored = p.malformed + d.malformed
+        expiries = 0
+        for ss in (*p.state.streams.values(), *d.state.streams.values()):
+            ignored += sum(ss.ignored.values())
+            expiries += sum(1 for rec in ss.requests.values()
+                            if getattr(rec, "ended", "") == "expired")
+        metrics = {
+            "requests": cfg.requests,
+            "served": counts.get("served", 0),
+            "failed": counts.get("failed", 0),
+            "rejected": counts.get("rejected", 0),
+            "cancelled": counts.get("cancelled", 0) + counts.get("orphaned", 0),
+            "freed_under_read": net.stats.freed_under_read,
+            "served_corrupt": d.served_corrupt,
+            "double_frees": net.stats.double_frees,
+            "leaks": leaks,
+            "stuck": stuck,
+            "overwritten_under_read": net.stats.overwritten_under_read,
+            "ignored_notifications": ignored,
+            "lease_expiries": expiries,
+            "events": len(self.p_lines) + len(self.d_lines),
+        }
+        p_log = b"".join(line + b"\n" for line in self.p_lines)
+        d_log = b"".join(line + b"\n" for line in self.d_lines)
+        h = hashlib.blake2b(digest_size=16)
+        h.update(p_log)
+        h.update(b"\x00")
+        h.update(d_log)
+        return RunResult(cfg.scenario, cfg.seed, cfg.policy, metrics, self.violations(metrics),
+                         h.hexdigest(), p_log, d_log, self.clock.now, self.clock.steps)
+
+    def violations(self, m: dict[str, int]) -> list[dict]:
+        out = []
+        for name in ("served_corrupt", "double_frees", "leaks", "stuck", "overwritten_under_read"):
+            if m[name]:
+                out.append({"invariant": name, "count": m[name]})
+        if m["freed_under_read"] and not self.cfg.exceeds_lease:
+            out.append({"invariant": "freed_under_read", "count": m["freed_under_read"]})
+        return out
+
+    # -- safety, checked after every step by the Hypothesis tests ------------------------
+
+    def check_safety(self) -> None:
+        """Raise AssertionError naming the first broken invariant (see docs/simulation.md)."""
+        cfg, p, d, net = self.cfg, self.p, self.d, self.net
+        assert net.stats.double_frees == 0, "a block was freed twice"
+        assert net.stats.overwritten_under_read == 0, "D reused pages a READ was writing"
+        if cfg.policy == "kvhandoff":
+            assert d.served_corrupt == 0, "D served bytes that differ from what P computed"
+            if not cfg.exceeds_lease:
+                assert net.stats.freed_under_read == 0, "P freed blocks under a READ"
+            # The rule: a request with a READ in flight is heartbeated.
+            requests = d.state.stream(d.stream).requests
+            for rid, _ in d.handles.values():
+                assert requests[rid].state in HEARTBEAT_STATES, \
+                    f"{rid} has a READ in flight but is not heartbeated ({requests[rid].state})"
+        if not p.loop.dead:
+            # P's pool holds exactly the blocks of the requests its fold says it holds.
+            for rank, stream in enumerate(p.streams):
+                held = sum(len(p.blocks[rid]) for rid, rec in p.state.stream(stream).requests.items()
+                           if rec.state is not PState.FREED)
+                assert held == p.pool.held(rank), \
+                    f"P rank {rank}: pool holds {p.pool.held(rank)} blocks, the fold {held}"
+        if not d.loop.dead:
+            pages = sum(len(imp.local_ids) for imp in d.reading.values())
+            assert pages == d.pool.used_blocks, \
+                f"D holds {d.pool.used_blocks} pages, its imports {pages}"
