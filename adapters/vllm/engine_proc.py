@@ -184,18 +184,26 @@ class _Server:
                 "transfer_ms": timing.transfer_ms(t_entry),
             })
 
+    def _core_has_requests(self) -> bool:
+        core = getattr(getattr(self.engine, "engine_core", None), "engine_core", None)
+        sched = getattr(core, "scheduler", None)
+        return bool(sched is not None and sched.has_requests())
+
     def serve(self) -> None:
         import zmq
 
         self.send({"op": "ready", "pid": os.getpid(), "logs": _flush_connector_logs()})
         last_step = 0.0
         while self.running:
-            busy = self.engine.has_unfinished_requests()
+            # Like vLLM's EngineCore loop: keep stepping while the scheduler
+            # holds anything (delayed frees included), not only while the
+            # frontend waits for tokens; fully idle, step only to poll.
+            busy = self.engine.has_unfinished_requests() or self._core_has_requests()
             timeout_ms = 0 if busy else int(self.spec.idle_step_s * 1e3)
             if self.sock.poll(timeout_ms, zmq.POLLIN):
                 while self.sock.poll(0, zmq.POLLIN):
                     self.handle(orjson.loads(self.sock.recv()))
-                busy = self.engine.has_unfinished_requests()
+                busy = self.engine.has_unfinished_requests() or self._core_has_requests()
             now = time.monotonic()
             if busy or now - last_step >= self.spec.idle_step_s:
                 last_step = now

@@ -136,6 +136,7 @@ class HandoffWorker:
         self._notif_thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._d_agents: dict[str, str] = {}  # D engine id -> agent name
+        self._deferred: list[tuple[float, str, messages.Heartbeat]] = []
         # D
         self._peers: dict[tuple[str, int], _Peer] = {}  # (host, port) -> peer
         self._refused: dict[tuple[str, int], tuple[float, str]] = {}
@@ -249,10 +250,14 @@ class HandoffWorker:
                     log.error("vllm.worker.notif_loop_error", error=str(exc),
                               error_type=type(exc).__name__)
                 ss = self.state.streams.get(self.stream)
-                live = ss is not None and any(r.state is PState.EXPORTED for r in ss.requests.values())
+                live = ss is not None and any(r.state in (PState.EXPORTED, PState.PREFILLING)
+                                              for r in ss.requests.values())
             self._stop.wait(self.cfg.notif_poll_s if live else self.cfg.idle_poll_s)
 
     def _p_handle_notifs(self, now: float) -> None:
+        deferred, self._deferred = self._deferred, []
+        for since, peer, hb in deferred:
+            self._p_heartbeat(peer, hb, now, since)
         for note in self.transport.recv_notifs():
             try:
                 msg = messages.decode(note.message)
@@ -262,27 +267,41 @@ class HandoffWorker:
                 continue
             if isinstance(msg, messages.Heartbeat):
                 self._count("heartbeats_received")
-                left: dict[str, float] = {}
-                for rid in msg.request_ids:
-                    rec = self._rec(rid)
-                    if isinstance(rec, ProducerRecord) and rec.state is PState.EXPORTED:
-                        self._count("leases_extended")
-                    self._record(HeartbeatReceived, rid, now, from_engine=msg.engine)
-                    rec = self._rec(rid)
-                    if isinstance(rec, ProducerRecord) and rec.state is PState.PREFILLING:
-                        continue  # not exported yet: no answer is better than a wrong "gone"
-                    left[rid] = lease_time_left(self.state, self.stream, rid, now)
-                ack = messages.HeartbeatAck(self.engine_id, self.rank, msg.sent_at, left)
-                try:
-                    self.transport.send_notif(note.peer, messages.encode(ack))
-                    self._count("acks_sent")
-                except Exception as exc:
-                    log.warning("vllm.worker.ack_failed", peer=note.peer, error=str(exc))
+                self._p_heartbeat(note.peer, msg, now, now)
             elif isinstance(msg, messages.Release):
                 self._record(ReleaseNotified, msg.request_id, now, from_engine=msg.engine,
                              consumer_rank=msg.rank)
             else:
                 self._count("notifications_ignored")
+
+    def _p_heartbeat(self, peer: str, msg: messages.Heartbeat, now: float, since: float) -> None:
+        # D may heartbeat a request before this rank has folded its export
+        # (the plan arrives with the next engine step).  Answering "gone" then
+        # would fail a good read, so those ids wait here for the export; one
+        # lease later they are answered for what they are.
+        waiting = tuple(rid for rid in msg.request_ids
+                        if isinstance(rec := self._rec(rid), ProducerRecord)
+                        and rec.state is PState.PREFILLING)
+        if waiting and now - since < self.cfg.lease_s:
+            self._deferred.append((since, peer, messages.Heartbeat(
+                msg.engine, msg.rank, msg.sent_at, waiting)))
+        left: dict[str, float] = {}
+        for rid in msg.request_ids:
+            if rid in waiting and now - since < self.cfg.lease_s:
+                continue
+            rec = self._rec(rid)
+            if isinstance(rec, ProducerRecord) and rec.state is PState.EXPORTED:
+                self._count("leases_extended")
+            self._record(HeartbeatReceived, rid, now, from_engine=msg.engine)
+            left[rid] = lease_time_left(self.state, self.stream, rid, now)
+        if not left:
+            return
+        ack = messages.HeartbeatAck(self.engine_id, self.rank, msg.sent_at, left)
+        try:
+            self.transport.send_notif(peer, messages.encode(ack))
+            self._count("acks_sent")
+        except Exception as exc:
+            log.warning("vllm.worker.ack_failed", peer=peer, error=str(exc))
 
     def _p_step(self, plan: StepPlan | None, now: float) -> set[str]:
         if plan is not None:
