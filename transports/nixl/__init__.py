@@ -10,12 +10,12 @@ See docs/nixl.md.
 """
 
 from .agent import UCX_DEFAULTS, NixlOptions, apply_ucx_defaults
-from .transport import PROBE, InvalidRead, NixlTransport, ReadSplit
+from .transport import PROBE, InvalidRead, NixlTransport, PeerUnreachable, ReadSplit, runs_array
 from .wire import MetadataUnreadable
 
 __all__ = [
     "PROBE", "UCX_DEFAULTS", "InvalidRead", "MetadataUnreadable", "NixlOptions",
-    "NixlTransport", "ReadSplit", "TransportProcess", "apply_ucx_defaults",
+    "NixlTransport", "PeerUnreachable", "ReadSplit", "TransportProcess", "apply_ucx_defaults", "runs_array",
 ]
 
 

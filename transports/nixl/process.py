@@ -259,6 +259,13 @@ class _Child:
         t1, w1 = os.times(), time.monotonic()
         return 100.0 * ((t1.user - t0.user) + (t1.system - t0.system)) / (w1 - w0)
 
+    def die_after(self, seconds: float) -> None:
+        """SIGKILL this process ``seconds`` from now (a crash in the middle of a READ)."""
+        import signal
+        import threading
+
+        threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGKILL)).start()
+
     def recv_notifs_until(self, count: int, timeout_s: float) -> list[Notification]:
         """Wait (polling) until ``count`` notifications arrived or time is up."""
         out: list[Notification] = []

@@ -62,11 +62,22 @@ from kvhandoff.transports.base import (
 
 from . import wire
 from .agent import NixlOptions, create_agent
-from .memory import Placement, descriptor_rows, locate, plan_registrations, span_rows
+from .memory import (
+    Placement,
+    Registration,
+    descriptor_rows,
+    locate,
+    plan_registrations,
+    span_rows,
+)
 
 log = structlog.get_logger(__name__)
 
 PROBE = b"\x00kvh.probe"  # internal liveness probe; never handed to the receiver's caller
+
+
+class PeerUnreachable(TransportError):
+    """NIXL could not connect to the agent a metadata blob describes (gone, or stale)."""
 
 
 class InvalidRead(TransportError):
@@ -80,10 +91,33 @@ class ReadSplit:
     Remote and local names differ when the destination is split by memory
     kind (``"layer0" -> "layer0@gpu"`` for the resident tail, ``-> "layer0@host"``
     for the host pool); a plain READ pairs each region with its namesake.
+    ``runs`` is a tuple of `BlockRun` or, for large READs, an ``(n, 3)`` integer
+    array of ``(remote_start, local_start, count)`` rows (see `runs_array`).
     """
 
-    runs: tuple[BlockRun, ...]
+    runs: tuple[BlockRun, ...] | np.ndarray
     regions: tuple[tuple[str, str], ...]
+
+
+def runs_array(remote_ids: Sequence[int] | np.ndarray,
+               local_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """`kvhandoff.core.planning.coalesce` in numpy: ``(n, 3)`` rows of maximal runs.
+
+    Same result as ``coalesce`` (a run is a stretch where both ids advance by
+    one), without a Python object per block: what a worker with 10^5 block
+    ids per request uses.
+    """
+    r = np.asarray(remote_ids, dtype=np.int64).ravel()
+    loc = np.asarray(local_ids, dtype=np.int64).ravel()
+    if r.shape != loc.shape:
+        raise InvalidRead(f"expected as many local as remote block ids, found "
+                          f"{loc.size} local for {r.size} remote")
+    if r.size == 0:
+        return np.empty((0, 3), dtype=np.int64)
+    breaks = np.flatnonzero((np.diff(r) != 1) | (np.diff(loc) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    counts = np.diff(np.concatenate((starts, [r.size])))
+    return np.stack((r[starts], loc[starts], counts), axis=1)
 
 
 @dataclass(slots=True)
@@ -128,16 +162,22 @@ class NixlTransport:
         self._instance = uuid.uuid4().hex
         self._generation = 0
         self._placements: dict[str, Placement] = {}
-        self._registered: list[tuple[Any, MemoryKind]] = []  # (NIXL reg list, kind)
+        self._registered: list[tuple[Any, Registration]] = []  # (NIXL reg list, range)
         self._local = _Side({}, {})
         self._peers: dict[str, _Peer] = {}
         self._pending: dict[int, _Pending] = {}
         self._settled: list[Completion] = []  # completions decided at post time
         self._next_handle = 0
         self._closed = False
-        self.descriptors_posted = 0  # after coalescing; for benchmarks and tests
+        self.descriptors_posted = 0  # one per block run and region pair
+        self.descriptors_on_wire = 0  # NIXL's own count after merging (telemetry only)
 
     # -- registration and metadata ------------------------------------------
+
+    @property
+    def registrations(self) -> tuple[Registration, ...]:
+        """The NIXL registrations made so far (few: one per allocation in use)."""
+        return tuple(reg for _, reg in self._registered)
 
     def register(self, regions: Sequence[KVRegion]) -> None:
         """Register ``regions`` (in addition to earlier ones) and prepare local descriptors."""
@@ -155,7 +195,7 @@ class NixlTransport:
         for reg in plan:
             rows = [(reg.addr, reg.nbytes, reg.device, "")]
             descs = self._agent.register_memory(rows, reg.kind.value)
-            self._registered.append((descs, reg.kind))
+            self._registered.append((descs, reg))
         self._placements.update({p.name: p for p in new})
         self._local = self._prepare_side("", list(self._placements.values()), self._local)
         self._generation += 1
@@ -186,7 +226,13 @@ class NixlTransport:
                 raise TransportError(f"{self.name}: peer {meta.agent!r} re-announced while "
                                      f"{len(old.inflight)} READs from it are in flight")
             self._drop_peer(old)
-        name = self._agent.add_remote_agent(meta.nixl)
+        try:
+            name = self._agent.add_remote_agent(meta.nixl)
+        except Exception as exc:  # NIXL connects while loading: a dead peer fails here
+            raise PeerUnreachable(f"{self.name}: expected to connect to peer {meta.agent!r} "
+                                  f"(instance {meta.instance[:8]}), found "
+                                  f"{type(exc).__name__}: stale metadata of a peer that is "
+                                  "gone?") from None
         if isinstance(name, bytes):
             name = name.decode()
         placements = [Placement(r.name, r.kind, r.device, r.addr, r.block_bytes, r.num_blocks,
@@ -385,10 +431,9 @@ class NixlTransport:
         kind, remote kind); refuses impossible READs before anything is posted."""
         parts: dict[tuple[int, MemoryKind, MemoryKind], tuple[list, list, list]] = {}
         for n_split, split in enumerate(splits):
-            if not split.runs or not split.regions:
+            runs = _as_array(split.runs)
+            if not len(runs) or not split.regions:
                 raise InvalidRead(f"{self.name}: a READ split needs block runs and regions")
-            runs = np.array([(r.remote_start, r.local_start, r.count) for r in split.runs],
-                            dtype=np.int64)
             rs, ls, cs = runs[:, 0], runs[:, 1], runs[:, 2]
             if (cs <= 0).any() or (rs < 0).any() or (ls < 0).any():
                 raise InvalidRead(f"{self.name}: runs need count > 0 and starts >= 0")
@@ -434,6 +479,8 @@ class NixlTransport:
                 continue
             if state == "ERR":
                 pending.failure = pending.failure or "READ failed: NIXL returned ERR"
+            elif state == "DONE" and self.options.telemetry:
+                self.descriptors_on_wire += self._agent.get_xfer_telemetry(xfer).descCount
             self._release(xfer)
         pending.xfers = still
         return not still
@@ -479,6 +526,16 @@ class NixlTransport:
         except Exception as exc:
             log.info("nixl.remove_remote_failed", agent=self.name, peer=p.name, error=repr(exc))
         self._peers.pop(p.name, None)
+
+
+def _as_array(runs: tuple[BlockRun, ...] | np.ndarray) -> np.ndarray:
+    if isinstance(runs, np.ndarray):
+        if runs.ndim != 2 or runs.shape[1] != 3:
+            raise InvalidRead(f"runs: expected an (n, 3) array, found shape {runs.shape}")
+        return runs.astype(np.int64, copy=False)
+    flat = np.fromiter((x for r in runs for x in (r.remote_start, r.local_start, r.count)),
+                       dtype=np.int64, count=3 * len(runs))
+    return flat.reshape(-1, 3)
 
 
 def _expand(rs: np.ndarray, ls: np.ndarray, cs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

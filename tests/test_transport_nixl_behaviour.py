@@ -1,0 +1,506 @@
+"""What the NIXL transport does beyond the shared contract.
+
+Two kinds of test:
+
+* Error mapping and handle hygiene run against `FakeAgent`, a stand-in for
+  ``nixl_agent`` that fails on cue with exceptions named like NIXL's, so each
+  failure path is exercised deterministically and every transfer handle can
+  be counted.
+* Everything else runs real NIXL over UCX between this process (D) and a
+  spawned producer (P), with every byte checked.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+from structlog.testing import capture_logs
+
+pytest.importorskip("nixl")
+
+from kvhandoff.core.planning import BlockRun, coalesce  # noqa: E402
+from kvhandoff.transports.base import (  # noqa: E402
+    KVRegion,
+    PeerNotReady,
+    ReadRequest,
+    RegionMismatch,
+    UnknownPeer,
+)
+from kvhandoff.transports.nixl import (  # noqa: E402
+    PROBE,
+    UCX_DEFAULTS,
+    InvalidRead,
+    NixlOptions,
+    NixlTransport,
+    PeerUnreachable,
+    ReadSplit,
+    TransportProcess,
+    apply_ucx_defaults,
+    runs_array,
+)
+from kvhandoff.transports.nixl import transport as transport_module  # noqa: E402
+from kvhandoff.transports.nixl.memory import locate, plan_registrations  # noqa: E402
+
+# --- a scripted stand-in for nixl_agent --------------------------------------------
+
+
+class nixlRemoteDisconnectError(Exception):  # noqa: N801 - named like NIXL's
+    pass
+
+
+class nixlBackendError(Exception):  # noqa: N801
+    pass
+
+
+class FakeAgent:
+    """Enough of ``nixl_agent`` for the transport; transfers finish when told to."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.made = 0
+        self.released: Counter[int] = Counter()
+        self.state: dict[int, str | Exception] = {}
+        self.fail_transfer: list[Exception | str] = []  # consumed one per transfer()
+        self.sent: list[tuple[str, bytes]] = []
+        self.send_error: Exception | None = None
+
+    # registration, metadata, descriptor lists
+    def register_memory(self, rows, kind):
+        return ("reg", tuple(rows), kind)
+
+    def deregister_memory(self, descs):
+        pass
+
+    def prep_xfer_dlist(self, agent, rows, kind):
+        return ("dlist", agent, kind, len(rows))
+
+    def release_dlist_handle(self, handle):
+        pass
+
+    def get_agent_metadata(self):
+        return b"nixl-md:" + self.name.encode()
+
+    def add_remote_agent(self, blob):
+        return blob.split(b":", 1)[1].decode()
+
+    def remove_remote_agent(self, name):
+        pass
+
+    def get_xfer_descs(self, rows, kind):
+        return rows
+
+    def check_remote_metadata(self, name, descs):
+        return True
+
+    # transfers
+    def make_prepped_xfer(self, op, local, lidx, remote, ridx, notif):
+        assert op == "READ" and len(lidx) == len(ridx)
+        self.made += 1
+        self.state[self.made] = "PROC"
+        return self.made
+
+    def transfer(self, xfer):
+        if self.fail_transfer:
+            outcome = self.fail_transfer.pop(0)
+            self.state[xfer] = "ERR"  # a failed post leaves nothing in flight
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+        return "PROC"
+
+    def check_xfer_state(self, xfer):
+        s = self.state[xfer]
+        if isinstance(s, Exception):
+            raise s
+        return s
+
+    def release_xfer_handle(self, xfer):
+        assert self.state[xfer] != "PROC", "released a transfer still in flight"
+        self.released[xfer] += 1
+
+    def send_notif(self, peer, message):
+        if self.send_error is not None:
+            raise self.send_error
+        self.sent.append((peer, message))
+
+    def get_new_notifs(self):
+        return {}
+
+
+LAYERS = ("layer0", "layer1")
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """A D transport over a `FakeAgent`, already peered with a producer "P"."""
+    agents: dict[str, FakeAgent] = {}
+
+    def create(name: str, options: Any) -> FakeAgent:
+        agents[name] = FakeAgent(name)
+        return agents[name]
+
+    monkeypatch.setattr(transport_module, "create_agent", create)
+    p, d = NixlTransport("P"), NixlTransport("D")
+    for t in (p, d):
+        t.register([KVRegion(f"layer{i}", np.zeros((16, 64), np.uint8), 16, 64)
+                    for i in range(2)] + [KVRegion("tail", np.zeros((4, 64), np.uint8), 4, 64)])
+    assert d.add_peer(p.metadata()) == "P"
+    return d, agents["D"]
+
+
+def all_released_once(agent: FakeAgent) -> bool:
+    return sorted(agent.released) == list(range(1, agent.made + 1)) and \
+        set(agent.released.values()) == {1}
+
+
+def test_a_failed_post_completes_once_with_its_reason_and_leaks_no_handle(fake):
+    d, agent = fake
+    agent.fail_transfer = [nixlBackendError("NIXL_ERR_BACKEND")]
+    h = d.post_read("P", ReadRequest(coalesce([1, 2, 3], [4, 5, 6]), LAYERS), b"rel")
+    (c,) = d.poll()
+    assert (c.handle, c.ok) == (h, False)
+    assert "failed post" in c.reason and "nixlBackendError" in c.reason
+    assert d.poll() == []
+    assert all_released_once(agent)
+    assert d.lost_peers() == []  # a backend error is not a lost peer
+
+
+def test_a_remote_disconnect_fails_the_read_and_marks_the_peer_lost(fake):
+    d, agent = fake
+    h = d.post_read("P", ReadRequest((BlockRun(0, 0, 4),), LAYERS))
+    assert d.poll() == []
+    agent.state[1] = nixlRemoteDisconnectError("NIXL_ERR_REMOTE_DISCONNECT")
+    with capture_logs() as logs:
+        (c,) = d.poll()
+    assert (c.handle, c.ok) == (h, False) and "remote disconnect" in c.reason
+    assert d.lost_peers() == ["P"]
+    assert any(e["event"] == "nixl.peer_lost" and e["peer"] == "P" for e in logs)
+    assert all_released_once(agent)
+    # A READ posted to a lost peer fails at once, without touching NIXL.
+    h2 = d.post_read("P", ReadRequest((BlockRun(0, 0, 1),), LAYERS))
+    assert [(c.handle, c.ok, c.reason) for c in d.poll()] == [(h2, False, "failed post: peer lost")]
+    assert agent.made == 1
+
+
+def test_a_split_read_completes_once_after_every_split_drained_even_when_one_failed(fake):
+    d, agent = fake
+    splits = [ReadSplit(coalesce([0, 1], [0, 1]), (("layer0", "layer0"),)),
+              ReadSplit(coalesce([5], [2]), (("layer1", "tail"),))]
+    h = d.post_split_read("P", splits, b"release:r1")
+    assert agent.made == 2  # one NIXL transfer per split
+    agent.state[1] = nixlBackendError("NIXL_ERR_BACKEND")
+    assert d.poll() == []  # the failed split waits for the other to drain
+    agent.state[2] = "DONE"
+    (c,) = d.poll()
+    assert (c.handle, c.ok) == (h, False)
+    assert agent.sent == []  # a failed READ does not tell P its blocks were read
+    assert all_released_once(agent)
+
+
+def test_a_split_read_notifies_the_source_only_after_the_last_split_landed(fake):
+    d, agent = fake
+    splits = [ReadSplit(coalesce([0], [0]), (("layer0", "layer0"),)),
+              ReadSplit(coalesce([1], [3]), (("layer1", "tail"),))]
+    h = d.post_split_read("P", splits, b"release:r2")
+    agent.state[2] = "DONE"
+    assert d.poll() == [] and agent.sent == []
+    agent.state[1] = "DONE"
+    assert [(c.handle, c.ok) for c in d.poll()] == [(h, True)]
+    assert agent.sent == [("P", b"release:r2")]
+
+
+def test_a_read_whose_notification_cannot_be_sent_fails_and_the_peer_is_lost(fake):
+    d, agent = fake
+    h = d.post_split_read("P", [ReadSplit(coalesce([0], [0]), (("layer0", "layer0"),)),
+                                ReadSplit(coalesce([0], [0]), (("layer1", "layer1"),))], b"r")
+    agent.state[1] = agent.state[2] = "DONE"
+    agent.send_error = nixlRemoteDisconnectError("gone")
+    (c,) = d.poll()
+    assert (c.handle, c.ok) == (h, False) and "notification" in c.reason
+    assert d.lost_peers() == ["P"]
+
+
+def test_impossible_reads_are_refused_before_anything_is_posted(fake):
+    d, agent = fake
+    with pytest.raises(InvalidRead):
+        d.post_read("P", ReadRequest((BlockRun(15, 0, 2),), LAYERS))  # past the remote end
+    with pytest.raises(InvalidRead):
+        d.post_split_read("P", [ReadSplit(coalesce([0, 1], [3, 4]), (("layer0", "tail"),))])
+    with pytest.raises(InvalidRead):
+        d.post_read("P", ReadRequest((), LAYERS))
+    with pytest.raises(RegionMismatch):
+        d.post_read("P", ReadRequest((BlockRun(0, 0, 1),), regions=("nope",)))
+    with pytest.raises(UnknownPeer):
+        d.post_read("Q", ReadRequest((BlockRun(0, 0, 1),), LAYERS))
+    assert agent.made == 0 and d.poll() == []
+
+
+def test_probes_are_never_handed_to_the_caller(fake, monkeypatch):
+    d, agent = fake
+    monkeypatch.setattr(agent, "get_new_notifs", lambda: {"P": [PROBE, b"hb", PROBE]})
+    assert [(n.peer, n.message) for n in d.recv_notifs()] == [("P", b"hb")]
+
+
+# --- pure parts ------------------------------------------------------------------
+
+
+def test_runs_array_matches_the_cores_coalesce():
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        n = int(rng.integers(1, 40))
+        remote = list(rng.permutation(64)[:n])
+        local = sorted(rng.permutation(64)[:n]) if rng.random() < 0.5 else list(range(n))
+        want = [(r.remote_start, r.local_start, r.count) for r in coalesce(remote, local)]
+        assert [tuple(row) for row in runs_array(remote, local).tolist()] == want
+
+
+def test_regions_sharing_one_allocation_are_registered_once():
+    cache = np.zeros((8, 4, 1024), np.uint8)  # 8 blocks x 4 layers, one allocation
+    per_layer = [KVRegion(f"layer{i}", cache[:, i].copy() if False else cache, 8, 4096)
+                 for i in range(2)]  # two logical groups viewing the same tensor
+    halves = [KVRegion("first", cache[:4], 4, 4096), KVRegion("second", cache[4:], 4, 4096)]
+    other = KVRegion("other", np.zeros((8, 4096), np.uint8), 8, 4096)
+    plan = plan_registrations([locate(r) for r in per_layer + halves + [other]])
+    assert len(plan) == 2
+    assert sorted(r.nbytes for r in plan) == [8 * 4096, 8 * 4096]
+    assert sorted(sorted(r.regions) for r in plan) == [
+        ["first", "layer0", "layer1", "second"], ["other"]]
+
+
+def test_ucx_defaults_are_set_unless_the_user_set_them():
+    env = {"UCX_CUDA_IPC_ENABLE_SAME_PROCESS": "n"}
+    with capture_logs() as logs:
+        applied = apply_ucx_defaults(env)
+    assert applied == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+    assert env == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y", "UCX_CUDA_IPC_ENABLE_SAME_PROCESS": "n"}
+    sources = {e["variable"]: e["source"] for e in logs if e["event"] == "nixl.ucx_default"}
+    assert sources == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "kvhandoff",
+                       "UCX_CUDA_IPC_ENABLE_SAME_PROCESS": "user"}
+    assert set(sources) == set(UCX_DEFAULTS)
+
+
+# --- real NIXL, two processes -------------------------------------------------------
+
+
+def _names(tag: str) -> tuple[str, str]:
+    n = time.monotonic_ns() % 10**9
+    return f"P-{tag}-{n}", f"D-{tag}-{n}"
+
+
+def _wait(cond, what: str, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.001)
+    raise AssertionError(f"gave up waiting for {what}")
+
+
+def _completions(d: NixlTransport, n: int) -> list:
+    out: list = []
+    _wait(lambda: len(out) >= n if not out.extend(d.poll()) else len(out) >= n,
+          f"{n} completion(s)")
+    return out
+
+
+@pytest.fixture
+def producer():
+    procs: list[TransportProcess] = []
+
+    def start(name: str, options: NixlOptions | None = None) -> TransportProcess:
+        procs.append(TransportProcess(name, options))
+        return procs[-1]
+
+    yield start
+    for p in procs:
+        p.close()
+
+
+def test_a_split_read_into_two_destinations_lands_every_byte_and_completes_once(producer):
+    p_name, d_name = _names("split")
+    p = producer(p_name)
+    nb, bb = 32, 512
+    src = [p.shared_array((nb, bb)) for _ in range(2)]
+    for i, rows in enumerate(src):
+        rows[...] = np.random.default_rng(i).integers(1, 256, rows.shape, dtype=np.uint8)
+    p.register([KVRegion(f"layer{i}", rows, nb, bb) for i, rows in enumerate(src)])
+    d = NixlTransport(d_name, NixlOptions(telemetry=True))
+    try:
+        # D keeps a small resident tail and a big pool per layer (a HiSparse layout).
+        tail = {i: np.zeros((4, bb), np.uint8) for i in range(2)}
+        pool = {i: np.zeros((nb, bb), np.uint8) for i in range(2)}
+        d.register([KVRegion(f"layer{i}@tail", tail[i], 4, bb) for i in range(2)]
+                   + [KVRegion(f"layer{i}@pool", pool[i], nb, bb) for i in range(2)])
+        peer = d.add_peer(p.metadata())
+        p.add_peer(d.metadata())
+        history, recent = [7, 8, 9, 10, 2, 3, 20], [28, 29, 30]
+        splits = [
+            ReadSplit(runs_array(history, [0, 1, 2, 3, 10, 11, 5]),
+                      tuple((f"layer{i}", f"layer{i}@pool") for i in range(2))),
+            ReadSplit(coalesce(recent, [1, 2, 3]),
+                      tuple((f"layer{i}", f"layer{i}@tail") for i in range(2))),
+        ]
+        h = d.post_split_read(peer, splits, b"release:hisparse")
+        (c,) = _completions(d, 1)
+        assert (c.handle, c.ok) == (h, True), c.reason
+        for i in range(2):
+            assert np.array_equal(pool[i][[0, 1, 2, 3, 10, 11, 5]], src[i][history])
+            assert np.array_equal(tail[i][1:4], src[i][recent])
+            assert not tail[i][0].any() and not np.delete(pool[i], [0, 1, 2, 3, 10, 11, 5], 0).any()
+        got = p.call("recv_notifs_until", 1, 10.0)
+        assert [(n.peer, n.message) for n in got] == [(d_name, b"release:hisparse")]
+        # Adjacent blocks travelled as one descriptor: 3 runs + 1 run, per layer.
+        assert d.descriptors_posted == d.descriptors_on_wire == (3 + 1) * 2
+        assert d.poll() == []
+    finally:
+        d.close()
+
+
+def test_a_shuffled_read_posts_one_descriptor_per_block_and_region(producer):
+    p_name, d_name = _names("shuffle")
+    p = producer(p_name)
+    nb, bb = 256, 128
+    src = p.shared_array((nb, bb))
+    src[...] = np.random.default_rng(5).integers(1, 256, src.shape, dtype=np.uint8)
+    p.register([KVRegion("kv", src, nb, bb)])
+    d = NixlTransport(d_name, NixlOptions(telemetry=True))
+    try:
+        dst = np.zeros((nb, bb), np.uint8)
+        d.register([KVRegion("kv", dst, nb, bb)])
+        peer = d.add_peer(p.metadata())
+        perm = np.random.default_rng(6).permutation(nb)
+        d.post_read(peer, ReadRequest(coalesce(perm.tolist(), list(range(nb)))))
+        (c,) = _completions(d, 1)
+        assert c.ok, c.reason
+        assert np.array_equal(dst, src[perm])
+        runs = len(coalesce(perm.tolist(), list(range(nb))))
+        assert d.descriptors_posted == d.descriptors_on_wire == runs
+    finally:
+        d.close()
+
+
+def test_logical_groups_on_one_tensor_make_one_registration(producer):
+    _, d_name = _names("dedup")
+    d = NixlTransport(d_name)
+    try:
+        cache = np.zeros((16, 2, 4096), np.uint8)  # blocks x (attention, indexer) x bytes
+        d.register([KVRegion("attention", cache, 16, 8192),
+                    KVRegion("indexer", cache, 16, 8192),   # same physical tensor
+                    KVRegion("ssm", np.zeros((16, 1024), np.uint8), 16, 1024)])
+        assert len(d.registrations) == 2
+        assert sorted(r.regions for r in d.registrations) == [("attention", "indexer"), ("ssm",)]
+    finally:
+        d.close()
+
+
+def test_a_producer_killed_during_a_long_read_fails_it_once_and_is_reported_lost(producer):
+    p_name, d_name = _names("kill")
+    p = producer(p_name)
+    nb, bb = 65536, 4096  # 256 MiB in 4 KiB blocks, shuffled: ~0.1-0.3 s over cma here
+    src = p.shared_array((nb, bb))
+    src[:, :8] = 1
+    p.register([KVRegion("kv", src, nb, bb)])
+    d = NixlTransport(d_name)
+    try:
+        dst = np.zeros((nb, bb), np.uint8)
+        d.register([KVRegion("kv", dst, nb, bb)])
+        peer = d.add_peer(p.metadata())
+        runs = runs_array(np.random.default_rng(1).permutation(nb), np.arange(nb))
+        p.call("die_after", 0.02)
+        h = d.post_split_read(peer, [ReadSplit(runs, (("kv", "kv"),))], b"release:k")
+        (c,) = _completions(d, 1)
+        assert (c.handle, c.ok) == (h, False) and c.reason
+        _wait(lambda: d.lost_peers() == [peer], "the producer in lost_peers()")
+        for _ in range(10):
+            assert d.poll() == []
+        # Anything that did land is the producer's bytes, never garbage.
+        landed = dst[:, 0] != 0
+        assert (dst[landed, :8] == 1).all()
+        # A new READ to the dead producer fails at once.
+        h2 = d.post_read(peer, ReadRequest((BlockRun(0, 0, 1),)))
+        assert [(x.handle, x.ok) for x in d.poll()] == [(h2, False)]
+    finally:
+        d.close()
+
+
+def test_stale_metadata_of_a_dead_producer_is_refused_and_a_restart_replaces_it(producer):
+    p_name, d_name = _names("stale")
+    nb, bb = 16, 256
+    first = producer(p_name)
+    rows1 = first.shared_array((nb, bb))
+    rows1[...] = 1
+    first.register([KVRegion("kv", rows1, nb, bb)])
+    stale = first.metadata()
+    d = NixlTransport(d_name)
+    try:
+        dst = np.zeros((nb, bb), np.uint8)
+        d.register([KVRegion("kv", dst, nb, bb)])
+        assert d.add_peer(stale) == p_name
+        first.kill()
+        d.post_read(p_name, ReadRequest((BlockRun(0, 0, 4),)))
+        (c,) = _completions(d, 1)
+        assert not c.ok
+        _wait(lambda: p_name in d.lost_peers(), "the dead producer in lost_peers()")
+        with pytest.raises(PeerUnreachable):  # loading it again connects, and fails
+            d.add_peer(stale)
+        # The producer restarts under the same name: its new metadata replaces the old.
+        second = producer(p_name)
+        with pytest.raises(PeerNotReady):
+            d.add_peer(second.metadata())  # fetched before it registered
+        rows2 = second.shared_array((nb, bb))
+        rows2[...] = 2
+        second.register([KVRegion("kv", rows2, nb, bb)])
+        assert d.add_peer(second.metadata()) == p_name
+        assert d.lost_peers() == []
+        d.post_read(p_name, ReadRequest((BlockRun(0, 0, nb),)))
+        (c,) = _completions(d, 1)
+        assert c.ok, c.reason
+        assert (dst == 2).all()
+    finally:
+        d.close()
+
+
+def test_removing_a_peer_with_reads_in_flight_lets_them_drain_first(producer):
+    p_name, d_name = _names("remove")
+    p = producer(p_name)
+    nb, bb = 64, 4096
+    src = p.shared_array((nb, bb))
+    src[...] = 3
+    p.register([KVRegion("kv", src, nb, bb)])
+    d = NixlTransport(d_name)
+    try:
+        dst = np.zeros((nb, bb), np.uint8)
+        d.register([KVRegion("kv", dst, nb, bb)])
+        peer = d.add_peer(p.metadata())
+        h = d.post_read(peer, ReadRequest((BlockRun(0, 0, nb),)))
+        d.remove_peer(peer)
+        with pytest.raises(UnknownPeer):
+            d.post_read(peer, ReadRequest((BlockRun(0, 0, 1),)))
+        (c,) = _completions(d, 1)
+        assert (c.handle, c.ok) == (h, True) and (dst == 3).all()
+        with pytest.raises(UnknownPeer):
+            d.send_notif(peer, b"x")
+    finally:
+        d.close()
+
+
+@pytest.mark.parametrize(("delay_us", "low", "high"), [(1000, 0.0, 10.0), (0, 50.0, 200.0)])
+def test_an_idle_agent_sleeps_unless_the_busy_spin_is_asked_for(producer, delay_us, low, high):
+    p_name, d_name = _names(f"idle{delay_us}")
+    p = producer(p_name, NixlOptions(progress_delay_us=delay_us))
+    d = NixlTransport(d_name)  # a connected peer, so the agent has live endpoints
+    try:
+        rows = p.shared_array((4, 4096))
+        p.register([KVRegion("kv", rows, 4, 4096)])
+        d.register([KVRegion("kv", np.zeros((4, 4096), np.uint8), 4, 4096)])
+        d.add_peer(p.metadata())
+        p.add_peer(d.metadata())
+        used = p.call("idle_cpu_percent", 1.0)
+        assert low <= used <= high, f"idle agent used {used:.1f} % of a core"
+    finally:
+        d.close()
