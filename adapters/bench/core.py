@@ -4,8 +4,8 @@
   hand-offs with TP-2 split reads, heartbeats and acks, client cancels during
   reads, rejections, expired leases, stale notifications) folded with the
   public ``apply``; events are built before timing.
-* ``replay_events_per_s`` — a 1,000,000-event log written to disk, then read
-  (parsing and checks included) and folded.
+* ``replay_events_per_s`` — a 1,000,000-event log written to disk, then
+  streamed (parsing and every check included) and folded.
 * ``bytes_per_live_request`` — traced memory of the fold per live transfer
   (P's record exported + D's record reading) at 100,000 live transfers.
 * ``transitions_machine_per_request_events_per_s`` — the same mix driven
@@ -44,7 +44,7 @@ from kvhandoff.core.events import (
     Validated,
 )
 from kvhandoff.core.lifecycle import D_GRAPH, P_GRAPH, DState, LifecycleState, PState, apply, fold
-from kvhandoff.core.log import read_log, write_log
+from kvhandoff.core.log import iter_log, write_log
 
 P = Stream("prefill-0", Side.P, 0)
 D = Stream("decode-0", Side.D, 0)
@@ -131,7 +131,7 @@ def bench_replay(n_events: int, repeat: int) -> tuple[float, int]:
         path = os.path.join(tmp, "bench.jsonl")
         write_log(path, events)
         size = os.path.getsize(path)
-        rate = _median_rate(len(events), lambda: fold(read_log(path)), repeat)
+        rate = _median_rate(len(events), lambda: fold(iter_log(path)), repeat)
     return rate, size
 
 
