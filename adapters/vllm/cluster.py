@@ -97,7 +97,22 @@ class EngineHandle:
                 return msg
         raise EngineFailed(f"engine {self.name}: no {op!r} within {timeout_s:.0f}s; see {self.log_path}")
 
+    def poll_ready(self) -> bool:
+        """Non-blocking: True once the engine said it is ready."""
+        if self.pid is not None:
+            return True
+        msg = self._recv(0)
+        while msg is not None:
+            if msg.get("op") == "ready":
+                self.pid = msg["pid"]
+                self.event_logs = msg.get("logs", [])
+                return True
+            msg = self._recv(0)
+        return False
+
     def wait_ready(self, timeout_s: float = 600.0) -> None:
+        if self.pid is not None:
+            return
         msg = self._await("ready", timeout_s)
         self.pid = msg["pid"]
         self.event_logs = msg.get("logs", [])

@@ -18,6 +18,7 @@ with `ConnectorConfigError`, never discovered mid-request.
 | notif_poll_s           | 0.002               | P's notification poll period while leases are live   |
 | idle_poll_s            | 0.05                | P's notification poll period with no live lease      |
 | debug_read_delay_s     | 0.0                 | tests only: hold each READ's completion this long    |
+| debug_read_delay_param | false               | tests/demo only: honour a request's ``kvhandoff_debug_read_delay_s`` |
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class HandoffConfig:
     notif_poll_s: float = 0.002
     idle_poll_s: float = 0.05
     debug_read_delay_s: float = 0.0
+    debug_read_delay_param: bool = False
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None, vllm_failure_policy: str = "fail",
@@ -78,6 +80,9 @@ class HandoffConfig:
                 if isinstance(v, bool) or not isinstance(v, int | float):
                     raise ConnectorConfigError(f.name, "a number", v)
                 v = float(v)
+            elif f.type in ("bool", bool):
+                if not isinstance(v, bool):
+                    raise ConnectorConfigError(f.name, "true or false", v)
             elif f.type in ("int", int):
                 if isinstance(v, bool) or not isinstance(v, int):
                     raise ConnectorConfigError(f.name, "an integer", v)

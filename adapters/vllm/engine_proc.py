@@ -145,7 +145,15 @@ class _Server:
                 self.send({"op": "done", "rid": rid, "token_ids": [], "finish_reason": "refused",
                            "error": f"{type(exc).__name__}: {exc}"})
         elif op == "abort":
-            self.engine.abort_request(list(msg["rids"]))
+            rids = [r for r in msg["rids"] if r in self.added]
+            self.engine.abort_request(rids)
+            now = time.monotonic()
+            for rid in rids:  # vLLM emits no output for an aborted request: say it here
+                added = self.added.pop(rid)
+                self.first_token.pop(rid, None)
+                self.send({"op": "done", "rid": rid, "token_ids": [], "finish_reason": "aborted",
+                           "kv_transfer_params": None, "ttft_ms": None,
+                           "e2e_ms": (now - added) * 1e3, "transfer_ms": None})
         elif op == "flush":
             self.send({"op": "flushed", "logs": _flush_connector_logs()})
         elif op == "stats":

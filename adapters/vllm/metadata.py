@@ -20,6 +20,7 @@ class Admit:
     params: dict[str, Any] | None
     error: str
     num_prompt_tokens: int
+    identity: tuple[str, str, str, int] | None = None  # (engine, request, host, port) if readable
 
 
 @dataclass(slots=True)

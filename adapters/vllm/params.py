@@ -17,6 +17,7 @@ from typing import Any
 from kvhandoff.core.errors import MalformedMessage
 
 PROTOCOL = "kvhandoff/1"
+DEBUG_DELAY_KEY = "kvhandoff_debug_read_delay_s"
 
 
 class MalformedTransferParams(MalformedMessage):
@@ -35,6 +36,7 @@ class RemotePrefill:
     block_ids: tuple[int, ...]
     num_tokens: int
     lease_s: float
+    debug_read_delay_s: float = 0.0  # honoured only where D enables debug_read_delay_param
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -43,6 +45,7 @@ class RemotePrefill:
             "remote_host": self.host, "remote_port": self.port, "tp_size": self.tp_size,
             "pp_size": 1, "dcp_size": 1, "remote_block_ids": [list(self.block_ids)],
             "remote_num_tokens": self.num_tokens, "lease_s": self.lease_s,
+            DEBUG_DELAY_KEY: self.debug_read_delay_s,
         }
 
 
@@ -110,4 +113,25 @@ def parse_remote_prefill(params: Any, max_block_id: int = 1 << 31) -> RemotePref
         raise MalformedTransferParams("kv_transfer_params['remote_block_ids']: duplicate block ids")
     if not ids:
         raise MalformedTransferParams("kv_transfer_params['remote_block_ids']: empty")
-    return RemotePrefill(engine, rid, host, port, tp, tuple(ids), num_tokens, float(lease))
+    delay = params.get(DEBUG_DELAY_KEY, 0.0)
+    if isinstance(delay, bool) or not isinstance(delay, int | float) or not 0 <= delay <= 600:
+        raise MalformedTransferParams(f"kv_transfer_params[{DEBUG_DELAY_KEY!r}]: expected 0..600, found {delay!r}")
+    return RemotePrefill(engine, rid, host, port, tp, tuple(ids), num_tokens, float(lease),
+                         float(delay))
+
+
+def parse_identity(params: Any) -> tuple[str, str, str, int] | None:
+    """(engine, request id, host, port) when those fields alone are well-formed.
+
+    Lets D tell the right P to free a request whose other fields are bad.
+    """
+    try:
+        engine = _get(params, "remote_engine_id", str)
+        rid = _get(params, "remote_request_id", str)
+        host = _get(params, "remote_host", str)
+        port = _get(params, "remote_port", int)
+    except (MalformedTransferParams, TypeError, AttributeError):
+        return None
+    if not (engine and rid and host) or max(len(engine), len(rid), len(host)) > 256:
+        return None
+    return (engine, rid, host, port) if 0 < port < 65536 else None

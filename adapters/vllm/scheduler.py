@@ -27,6 +27,7 @@ from kvhandoff.adapters.vllm.metadata import Admit, Export, Read, StepPlan
 from kvhandoff.adapters.vllm.params import (
     PROTOCOL,
     MalformedTransferParams,
+    parse_identity,
     parse_remote_prefill,
 )
 
@@ -80,7 +81,8 @@ class HandoffScheduler:
                 f"kv_transfer_params: expected an object, found {type(params).__name__}")
             log.error("vllm.scheduler.malformed_transfer_params", request_id=rid, error=error)
         self._d[rid] = _Track()
-        self._plan.admits.append(Admit(rid, wire, error, len(request.prompt_token_ids or ())))
+        ident = parse_identity(params) if error and isinstance(params, dict) else None
+        self._plan.admits.append(Admit(rid, wire, error, len(request.prompt_token_ids or ()), ident))
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         track = self._d.get(request.request_id)

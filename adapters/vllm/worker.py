@@ -42,7 +42,7 @@ import structlog
 
 from kvhandoff.adapters.vllm import stats as kstats
 from kvhandoff.adapters.vllm.config import HandoffConfig, UnsupportedTopology
-from kvhandoff.adapters.vllm.metadata import StepPlan
+from kvhandoff.adapters.vllm.metadata import Admit, StepPlan
 from kvhandoff.adapters.vllm.params import MalformedTransferParams, RemotePrefill
 from kvhandoff.adapters.vllm.side_channel import SideChannelServer, handshake
 from kvhandoff.adapters.vllm.transport import make_transport
@@ -355,16 +355,23 @@ class HandoffWorker:
         log.info("vllm.worker.producer_connected", producer=peer.engine_id, agent=agent)
         return peer
 
-    def _admit(self, local_id: str, params: dict[str, Any] | None, error: str,
-               num_prompt_tokens: int, now: float) -> None:
+    def _admit(self, a: Admit, now: float) -> None:
         from kvhandoff.adapters.vllm.params import parse_remote_prefill
 
+        local_id = a.local_id
         inc = _Incoming(local_id, None)
         self._incoming[local_id] = inc
         try:
-            if error:
-                raise MalformedTransferParams(error)
-            remote = inc.remote = parse_remote_prefill(params)
+            if a.error and a.identity is None:
+                raise MalformedTransferParams(a.error)
+            if a.error:
+                # Bad fields but a readable identity: admit, then reject, so
+                # the right P hears a notify-only release and frees at once.
+                engine, prid, host, port = a.identity
+                remote = RemotePrefill(engine, prid, host, port, 0, (), 0, self.cfg.lease_s)
+            else:
+                remote = parse_remote_prefill(a.params)
+            inc.remote = remote
             peer = self._peer_for(remote, now)
             if peer.engine_id != remote.engine_id:
                 raise GeometryMismatch("remote_engine_id (unknown engine at that address)",
@@ -375,6 +382,7 @@ class HandoffWorker:
                     f"local request {self._by_remote[remote.request_id]!r}")
         except (MalformedMessage, GeometryMismatch) as exc:
             inc.error = f"{type(exc).__name__}: {exc}"
+            inc.remote = None
             self._count("rejected")
             log.error("vllm.worker.request_rejected", local_request_id=local_id, error=inc.error)
             return
@@ -389,7 +397,7 @@ class HandoffWorker:
         inc.admitted = True
         self._by_remote[rid] = local_id
         self._fresh.add(rid)
-        reason = self._geometry_problem(remote, peer, num_prompt_tokens)
+        reason = a.error or self._geometry_problem(remote, peer, a.num_prompt_tokens)
         if reason:
             inc.error = reason
             self._count("rejected")
@@ -495,7 +503,7 @@ class HandoffWorker:
 
     def _d_plan(self, plan: StepPlan, now: float) -> None:
         for a in plan.admits:
-            self._admit(a.local_id, a.params, a.error, a.num_prompt_tokens, now)
+            self._admit(a, now)
         for r in plan.reads:
             self._post_read(r.local_id, r.local_block_ids, r.awaiting, now)
         for local_id in plan.cancels:
@@ -513,7 +521,10 @@ class HandoffWorker:
             if inc is None:
                 log.warning("vllm.worker.completion_for_unknown_handle", handle=c.handle)
                 continue
-            inc.held.append((inc.posted_at + self.cfg.debug_read_delay_s, c.handle, c.ok, c.reason))
+            delay = self.cfg.debug_read_delay_s
+            if self.cfg.debug_read_delay_param and inc.remote is not None:
+                delay = max(delay, inc.remote.debug_read_delay_s)
+            inc.held.append((inc.posted_at + delay, c.handle, c.ok, c.reason))
         for inc in list(self._incoming.values()):
             rid = inc.remote.request_id if inc.remote else ""
             keep = []
