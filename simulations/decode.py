@@ -129,7 +129,8 @@ class DecodeEngine:
                 else:
                     record(SplitFailed, rid, now, split=split, reason=c.reason)
                     self.reading[rid].splits_failed.append(split)
-        lost = {p for agent in self.agents for p in agent.lost_peers()}
+        lost = ({p for agent in self.agents for p in agent.lost_peers()}
+                if self.net.has_dead else ())
         for req in self.cancels:
             self._cancel(req, now)
         self.cancels.clear()
@@ -226,7 +227,7 @@ class DecodeEngine:
             del self.waiting[rid]
         return False
 
-    def _report(self, now: float, lost: set[str]) -> None:
+    def _report(self, now: float, lost) -> None:
         cfg = self.cfg
         done = []
         for rid, imp in self.reading.items():

@@ -93,6 +93,11 @@ class PrefillEngine:
         self.blocks: dict[str, list[int]] = {}
         self.requests: dict[str, SimRequest] = {}
         self.malformed = 0
+        # Scans of the fold are skipped when nothing that they depend on changed:
+        # ``_changed`` is set by every event that can free a request or move a
+        # deadline; ``_nearest`` is the earliest lease deadline.
+        self._changed = False
+        self._nearest = float("inf")
         self.loop = EngineLoop(self.clock, rng, self._step, cfg.p_step_s, cfg.step_jitter,
                                cfg.p_stall, cfg.p_stall_s)
 
@@ -129,7 +134,11 @@ class PrefillEngine:
             self.prefilled = [r for r in self.prefilled if r.rid != rid]
             for ledger in self.ledgers:
                 ledger.record(Aborted, rid, now, reason="client cancelled during prefill")
+        if self.aborts:
+            self._changed = True
         self.aborts.clear()
+        if self.prefilled:
+            self._changed = True
         for req in self.prefilled:
             ids = self.blocks[req.rid]
             for rank, ledger in enumerate(self.ledgers):
@@ -151,7 +160,9 @@ class PrefillEngine:
                 ledger.record(PrefillStarted, req.rid, now)
             self.prefilling[req.rid] = req
             self.clock.call_at(now + cfg.prefill_s_per_block * len(ids), self._prefill_done, req)
-        self._arm_lease_timer()
+        if self._changed:
+            self._arm_lease_timer()
+        self._changed = False
         return bool(freed and self.queue)
 
     def _on_notification(self, rank: int, peer: str, message: bytes, now: float) -> None:
@@ -161,6 +172,7 @@ class PrefillEngine:
             self.malformed += 1
             return
         ledger = self.ledgers[rank]
+        self._changed = True
         if isinstance(msg, Release):
             ledger.record(ReleaseNotified, msg.request_id, now, from_engine=msg.engine,
                           consumer_rank=msg.rank)
@@ -183,6 +195,10 @@ class PrefillEngine:
         return lease_time_left(self.state, stream, rid, now)
 
     def _reap(self, now: float) -> int:
+        if now >= self._nearest:
+            self._changed = True
+        if not self._changed:
+            return 0
         freed = 0
         for rank, (stream, ledger) in enumerate(zip(self.streams, self.ledgers, strict=True)):
             for rid in expired_leases(self.state, stream, now):
@@ -199,6 +215,7 @@ class PrefillEngine:
             for rec in self.state.stream(stream).requests.values():
                 if rec.state is PState.EXPORTED and rec.deadline < nearest:
                     nearest = rec.deadline
+        self._nearest = nearest
         if nearest < float("inf"):
             self.loop.wake_at(nearest)
 

@@ -11,12 +11,16 @@ exact command that reproduces it, hashes all runs' logs into one
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import os
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from kvhandoff.core.log import read_logs
+from kvhandoff.core.replay import replay
 from kvhandoff.simulations.scenarios import build
 from kvhandoff.simulations.world import METRICS, RunResult, World
 
@@ -89,31 +93,70 @@ class Summary:
         }
 
 
+def _run_task(task: tuple[str, int, str, str | None, bool]) -> RunResult | dict:
+    """One run of a sweep (in this process or a worker): the result, or the exception."""
+    scenario, seed, policy, log_dir, replay_check = task
+    try:
+        result = run_one(scenario, seed, policy)
+    except Exception as e:  # a crash of the model or the core is a finding too
+        return {"scenario": scenario, "seed": seed, "policy": policy,
+                "invariant": "exception", "count": 1,
+                "detail": "".join(traceback.format_exception_only(e)).strip(),
+                "repro": repro_command(scenario, seed, policy)}
+    if log_dir or replay_check:
+        _write_and_replay(result, log_dir, replay_check)
+    if not log_dir:
+        result.p_log = result.d_log = b""  # do not ship the bytes back from a worker
+    return result
+
+
+def _write_and_replay(result: RunResult, log_dir: str | None, replay_check: bool) -> None:
+    with tempfile.TemporaryDirectory(prefix="kvh-sim-") as tmp:
+        p_path, d_path = log_paths(log_dir or tmp, result.scenario, result.seed, result.policy)
+        with open(p_path, "wb") as f:
+            f.write(result.p_log)
+        with open(d_path, "wb") as f:
+            f.write(result.d_log)
+        if replay_check:
+            checked = replay(read_logs([p_path, d_path]))
+            names: dict[str, int] = {}
+            for v in checked.violations:
+                names[v.invariant] = names.get(v.invariant, 0) + 1
+            for name, count in names.items():
+                first = next(v for v in checked.violations if v.invariant == name)
+                result.violations.append({"invariant": f"replay:{name}", "count": count,
+                                          "detail": f"{first.event}: {first.detail}"})
+
+
 def sweep(scenarios: Iterable[str], seeds: range, policy: str = "kvhandoff",
-          log_dir: str | None = None) -> Summary:
+          log_dir: str | None = None, jobs: int = 1, replay_check: bool = False) -> Summary:
+    """Run every seed of every scenario; ``jobs`` > 1 spreads the runs over processes.
+
+    The summary, its ``log_hash`` included, does not depend on ``jobs``: runs
+    are added in (scenario, seed) order whoever ran them.
+    """
     scenarios = list(scenarios)
     summary = Summary(policy, scenarios, (seeds.start, seeds.stop - 1))
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
+    tasks = [(sc, seed, policy, log_dir, replay_check) for sc in scenarios for seed in seeds]
     start = time.perf_counter()  # wall time only measures the simulator's speed
-    for scenario in scenarios:
-        for seed in seeds:
-            try:
-                result = run_one(scenario, seed, policy)
-            except Exception as e:  # a crash of the model or the core is a finding too
-                summary.runs += 1
-                summary.violations.append({
-                    "scenario": scenario, "seed": seed, "policy": policy,
-                    "invariant": "exception", "count": 1,
-                    "detail": "".join(traceback.format_exception_only(e)).strip(),
-                    "repro": repro_command(scenario, seed, policy)})
-                continue
-            summary.add(result)
-            if log_dir:
-                p_path, d_path = log_paths(log_dir, scenario, seed, policy)
-                with open(p_path, "wb") as f:
-                    f.write(result.p_log)
-                with open(d_path, "wb") as f:
-                    f.write(result.d_log)
+    if jobs > 1 and len(tasks) > 1:
+        ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
+                                          else "spawn")
+        with ctx.Pool(jobs) as pool:
+            results = pool.imap(_run_task, tasks, chunksize=max(1, min(64, len(tasks) // (jobs * 8))))
+            _collect(summary, results)
+    else:
+        _collect(summary, map(_run_task, tasks))
     summary.wall_s = time.perf_counter() - start
     return summary
+
+
+def _collect(summary: Summary, results: Iterable[RunResult | dict]) -> None:
+    for result in results:
+        if isinstance(result, dict):
+            summary.runs += 1
+            summary.violations.append(result)
+        else:
+            summary.add(result)

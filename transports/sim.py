@@ -286,6 +286,11 @@ class SimNetwork:
                 self.clock.call_at(now + self.link.detect_s, self._complete_failed, read,
                                    "remote disconnect")
 
+    @property
+    def has_dead(self) -> bool:
+        """Whether any agent has crashed (a cheap test before asking who)."""
+        return bool(self._dead)
+
     def is_dead(self, name: str) -> bool:
         return name in self._dead
 

@@ -1,0 +1,109 @@
+"""`kvhandoff simulate [--scenario NAME|all|swarm] [--seeds A..B] [--policy ...] [--log-dir DIR] [--check] [--json]`.
+
+Runs the deterministic simulator (`kvhandoff.simulations`) over a range of
+seeds and prints what it measured; with ``--check`` the exit status is 1 when
+any run broke an invariant, and each violation comes with the exact command
+that reproduces it.  docs/simulation.md explains the scenarios and metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import orjson
+
+from kvhandoff.simulations.config import POLICIES
+from kvhandoff.simulations.runner import sweep
+from kvhandoff.simulations.scenarios import SCENARIOS, names
+
+
+def parse_seeds(text: str) -> range:
+    """``A..B`` (inclusive) or a single seed ``N``."""
+    try:
+        if ".." in text:
+            a, b = text.split("..", 1)
+            lo, hi = int(a), int(b)
+        else:
+            lo = hi = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seeds {text!r}: expected A..B or N") from None
+    if lo < 0 or hi < lo:
+        raise argparse.ArgumentTypeError(f"seeds {text!r}: expected 0 <= A <= B")
+    return range(lo, hi + 1)
+
+
+def scenario_list(name: str) -> list[str]:
+    if name == "all":
+        return names()
+    if name not in SCENARIOS:
+        raise argparse.ArgumentTypeError(
+            f"unknown scenario {name!r}; known: all, {', '.join(names())}")
+    return [name]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("simulate", help="deterministic P/D simulation: find the races",
+                       description=__doc__.split("\n\n", 1)[1],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenario", default="all", type=scenario_list, metavar="NAME|all|swarm",
+                   help="a scenario of the catalogue (see --list), all of them, or swarm "
+                        "(default: all)")
+    p.add_argument("--seeds", default="0..99", type=parse_seeds, metavar="A..B",
+                   help="seeds to run, inclusive (default: 0..99)")
+    p.add_argument("--policy", default="kvhandoff", choices=POLICIES,
+                   help="decode-side policy: this project's, or a model of vLLM 0.32's")
+    p.add_argument("--log-dir", metavar="DIR",
+                   help="write each run's P and D event logs here (for kvhandoff replay)")
+    p.add_argument("--replay", action="store_true",
+                   help="also fold each run's logs with `kvhandoff replay --check`'s checker "
+                        "and report its violations")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="worker processes (runs are independent; results do not depend on N)")
+    p.add_argument("--check", action="store_true", help="exit 1 on any violation")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--list", action="store_true", help="list the scenarios and exit")
+
+
+def run(args) -> int:
+    if args.list:
+        for name, (what, _) in SCENARIOS.items():
+            print(f"{name:32s} {what}")
+        return 0
+    summary = sweep(args.scenario, args.seeds, args.policy, log_dir=args.log_dir,
+                    jobs=max(1, args.jobs), replay_check=args.replay)
+    result = summary.as_dict()
+    if args.json:
+        sys.stdout.write(orjson.dumps(result).decode() + "\n")
+    else:
+        _print(result, args.log_dir)
+    return 1 if args.check and summary.violations else 0
+
+
+COLUMNS = ("runs", "requests", "served", "failed", "cancelled", "freed_under_read",
+           "served_corrupt", "double_frees", "leaks", "stuck", "ignored_notifications")
+SHORT = {"freed_under_read": "freed_u_read", "served_corrupt": "corrupt",
+         "double_frees": "dbl_free", "ignored_notifications": "ignored"}
+
+
+def _print(result: dict, log_dir: str | None) -> None:
+    heads = [SHORT.get(c, c) for c in COLUMNS]
+    width = max(len(s) for s in result["per_scenario"]) if result["per_scenario"] else 8
+    print(f"policy {result['policy']}, seeds {result['seeds']}")
+    print(f"{'scenario':{width}s} " + " ".join(f"{h:>12s}" for h in heads))
+    for name, row in result["per_scenario"].items():
+        print(f"{name:{width}s} " + " ".join(f"{row[c]:>12d}" for c in COLUMNS))
+    print(f"\n{result['runs']} runs, {result['requests']} requests in {result['wall_s']} s "
+          f"({result['requests_per_s']} requests/s), log hash {result['log_hash']}")
+    if log_dir:
+        print(f"event logs in {log_dir} (kvhandoff replay DIR/<run>.P.jsonl DIR/<run>.D.jsonl --check)")
+    shown = result["violations"]
+    if shown:
+        print(f"\n{result['violation_count']} violations" +
+              (f" (first {len(shown)} shown)" if len(shown) < result["violation_count"] else ""))
+        for v in shown:
+            detail = f" ({v['detail']})" if v.get("detail") else ""
+            print(f"  {v['scenario']} seed {v['seed']}: {v['invariant']} x{v['count']}{detail}\n"
+                  f"    repro: {v['repro']}")
+    else:
+        print("no violations")
