@@ -129,10 +129,12 @@ Record = ProducerRecord | ConsumerRecord
 class StreamState:
     """Everything folded from one stream (engine, side, rank)."""
 
-    __slots__ = ("stream", "requests", "last_seq", "ignored", "freed")
+    __slots__ = ("stream", "table", "new", "requests", "last_seq", "ignored", "freed")
 
     def __init__(self, stream: Stream) -> None:
         self.stream = stream
+        self.table = TABLES[stream.side]  # this side's compiled graph
+        self.new = PState.NEW if stream.side is Side.P else DState.NEW
         self.requests: dict[str, Record] = {}
         self.last_seq = -1
         self.ignored: Counter[str] = Counter()  # reason -> count
@@ -448,7 +450,6 @@ def compile_table(side: Side) -> dict[tuple[str, str], Handler]:
 
 
 TABLES: dict[Side, dict[tuple[str, str], Handler]] = {s: compile_table(s) for s in Side}
-_NEW = {Side.P: PState.NEW, Side.D: DState.NEW}
 
 
 def apply(state: LifecycleState, event: Event) -> LifecycleState:
@@ -464,8 +465,8 @@ def apply(state: LifecycleState, event: Event) -> LifecycleState:
     if event.seq != ss.last_seq + 1:
         raise SequenceError(str(stream), ss.last_seq + 1, event.seq)
     rec = ss.requests.get(event.request_id)
-    current = rec.state if rec is not None else _NEW[stream.side]
-    handler = TABLES[stream.side].get((current, event.kind))
+    current = rec.state if rec is not None else ss.new
+    handler = ss.table.get((current, event.kind))
     if handler is None:
         raise InvalidTransition(current, event.kind, event.request_id)
     try:

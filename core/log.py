@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Iterable, Iterator, Sequence
+from operator import itemgetter
 
 import orjson
 import structlog
@@ -87,6 +88,17 @@ _DECODERS = {
     kind: (EVENT_TYPES[kind], tuple((name, *_field_spec(ann)) for name, ann in extra))
     for kind, extra in EXTRA_FIELDS.items()
 }
+# The fast path reads every field at once and compares their JSON types with
+# what a well-written line has; anything else goes to the careful path.
+_FAST = {
+    kind: (
+        itemgetter("v", "rid", "engine", "side", "rank", "seq", "t", *(n for n, *_ in extra)),
+        (int, str, str, str, int, int, float, *(types[0] for _, types, _, _ in extra)),
+        cls,
+        tuple(7 + i for i, (_, types, _, _) in enumerate(extra) if types[0] is list),
+    )
+    for kind, (cls, extra) in _DECODERS.items()
+}
 _HEADER = (("rid", (str,), "str"), ("engine", (str,), "str"), ("side", (str,), "str"),
            ("rank", (int,), "int"), ("seq", (int,), "int"), ("t", (float, int), "number"))
 _SIDES = {s.value: s for s in Side}
@@ -103,31 +115,30 @@ class _Reader:
         self.streams: dict[tuple, Stream] = {}
         self.last_seq: dict[Stream, int] = {}
 
-    def decode(self, raw: bytes, path: str, lineno: int, obj: object = None) -> Event:
+    def decode(self, raw: bytes, path: str, lineno: int) -> Event:
         try:
-            if obj is None:
-                obj = orjson.loads(raw)
-            decoder = _DECODERS[obj["type"]]
-            rid, seq, t = obj["rid"], obj["seq"], obj["t"]
-            skey = (obj["engine"], obj["side"], obj["rank"])
-            stream = self.streams[skey]
-            cls, extras = decoder
-            values = []
-            for name, types, _, convert in extras:
-                v = obj[name]
-                if type(v) not in types:
-                    raise TypeError
-                values.append(v if convert is None else convert(v))
+            obj = orjson.loads(raw)
+            get_fields, types, cls, list_fields = _FAST[obj["type"]]
+            values = get_fields(obj)
         except (orjson.JSONDecodeError, KeyError, TypeError):
             return self._diagnose(raw, path, lineno)
-        if (obj["v"] != SCHEMA_VERSION or type(rid) is not str or type(seq) is not int
-                or (type(t) is not float and type(t) is not int)):
+        stream = self.streams.get(values[2:5])  # (engine, side, rank): known streams only
+        if (stream is None or values[0] != SCHEMA_VERSION
+                or tuple(map(type, values)) != types):
             return self._diagnose(raw, path, lineno)
+        seq = values[5]
         last_seq = self.last_seq
         if seq != last_seq.get(stream, -1) + 1:
             self._check_seq(stream, seq, path, lineno)
         last_seq[stream] = seq
-        return cls(rid, stream, seq, float(t), *values)
+        if list_fields:
+            values = list(values)
+            try:
+                for i in list_fields:
+                    values[i] = _int_tuple(values[i])
+            except TypeError:
+                return self._diagnose(raw, path, lineno)
+        return cls(values[1], stream, seq, *values[6:])
 
     def _check_seq(self, stream: Stream, seq: int, path: str, lineno: int) -> None:
         expected = self.last_seq.get(stream, -1) + 1
@@ -204,15 +215,8 @@ class _Reader:
         was_enabled = gc.isenabled()
         gc.disable()
         try:
-            try:  # one parse per chunk; on any error, line by line to name the line
-                objs = orjson.loads(b"[" + b",".join(lines) + b"]")
-            except orjson.JSONDecodeError:
-                objs = None
-            if objs is None or len(objs) != len(lines):  # a line held several values or none
-                objs = [None] * len(lines)
             decode = self.decode
-            return [decode(raw, path, i, obj)
-                    for i, (raw, obj) in enumerate(zip(lines, objs, strict=True), lineno + 1)]
+            return [decode(raw, path, i) for i, raw in enumerate(lines, lineno + 1)]
         finally:
             if was_enabled:
                 gc.enable()
