@@ -121,9 +121,11 @@ class EngineHandle:
         self.sock.send(orjson.dumps(msg))
 
     def add(self, rid: str, prompt: list[int], max_tokens: int,
-            kv_transfer_params: dict[str, Any] | None = None) -> None:
+            kv_transfer_params: dict[str, Any] | None = None,
+            abort_immediately: bool = False) -> None:
         self.send({"op": "add", "rid": rid, "prompt": list(prompt), "max_tokens": max_tokens,
-                   "kv_transfer_params": kv_transfer_params})
+                   "kv_transfer_params": kv_transfer_params,
+                   "abort_immediately": abort_immediately})
 
     def abort(self, rids: Iterable[str]) -> None:
         self.send({"op": "abort", "rids": list(rids)})

@@ -142,8 +142,13 @@ class _Server:
             try:
                 self.engine.add_request(rid, TokensPrompt(prompt_token_ids=msg["prompt"]), params)
             except Exception as exc:  # a request the engine refuses is that request's error
+                self.added.pop(rid, None)
                 self.send({"op": "done", "rid": rid, "token_ids": [], "finish_reason": "refused",
                            "error": f"{type(exc).__name__}: {exc}"})
+                return
+            if msg.get("abort_immediately"):
+                # Aborted before any engine step could schedule it.
+                self.handle({"op": "abort", "rids": [rid]})
         elif op == "abort":
             rids = [r for r in msg["rids"] if r in self.added]
             self.engine.abort_request(rids)

@@ -1,0 +1,230 @@
+"""End-to-end: real vLLM engines (CPU), a P and a D with KVHandoffConnector over NIXL.
+
+One P/D pair serves the whole module (engine start dominates the cost).  P
+also serves as the single-engine greedy reference: a plain request to P
+decodes by itself.  The seeded tiny model makes outputs depend on the
+prompt, so "tokens equal" and the control below can fail.
+
+Event logs are the evidence: P's log says when a lease was extended,
+expired, released and freed; D's log says what D posted, cancelled,
+acknowledged and released.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("nixl")
+
+from kvhandoff.adapters.vllm.cluster import PDConfig, PDPair  # noqa: E402
+from kvhandoff.adapters.vllm.demo import analyse_logs, prompts_for  # noqa: E402
+from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY  # noqa: E402
+from kvhandoff.adapters.vllm.tiny_model import write_tiny_llama  # noqa: E402
+from kvhandoff.core.log import read_log  # noqa: E402
+
+LEASE_S = 4.0
+OUT = 8
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    work = tmp_path_factory.mktemp("pd")
+    model = write_tiny_llama(work / "model")
+    pd = PDPair(PDConfig(
+        model_dir=str(model), connector="kvhandoff", workdir=str(work), tag="e2e",
+        extra_config={"lease_s": LEASE_S, "heartbeat_interval_s": 0.5, "lease_margin_s": 0.3,
+                      "read_timeout_s": 20.0},
+        d_extra_config={"debug_read_delay_param": True},
+    ))
+    try:
+        pd.wait_ready(timeout_s=600)
+        yield pd
+    finally:
+        pd.stop()
+
+
+_counter = iter(range(10_000))
+
+
+def _rid(tag: str) -> str:
+    return f"{tag}-{next(_counter)}"
+
+
+def reference(pd: PDPair, prompts: list[list[int]]) -> list[list[int]]:
+    rids = [_rid("ref") for _ in prompts]
+    for rid, p in zip(rids, prompts, strict=True):
+        pd.p.add(rid, p, OUT)
+    done = pd.p.wait_done(rids)
+    return [done[r]["token_ids"] for r in rids]
+
+
+def prefill(pd: PDPair, prompts: list[list[int]], tag: str) -> tuple[list[str], list[dict]]:
+    rids = [_rid(tag) for _ in prompts]
+    done = pd.prefill(rids, prompts)
+    params = [done[r]["kv_transfer_params"] for r in rids]
+    assert all(p and p.get("do_remote_prefill") for p in params), params
+    return rids, params
+
+
+def p_events(pd: PDPair, p_request_id: str) -> list:
+    (path,) = [p for p in pd.p.flush() if ".P0." in p]
+    return [e for e in read_log(path) if e.request_id == p_request_id]
+
+
+def d_events(pd: PDPair, p_request_id: str) -> list:
+    (path,) = [p for p in pd.d.flush() if ".D0." in p]
+    return [e for e in read_log(path) if e.request_id == p_request_id]
+
+
+def wait_freed(pd: PDPair, p_request_id: str, timeout_s: float) -> list:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        evs = p_events(pd, p_request_id)
+        if any(e.kind == "freed" for e in evs):
+            time.sleep(0.3)  # a second free, if there were one, would land now
+            return p_events(pd, p_request_id)
+        time.sleep(0.2)
+    raise AssertionError(f"P never freed {p_request_id}: {[e.kind for e in p_events(pd, p_request_id)]}")
+
+
+def kinds(events: list) -> list[str]:
+    return [e.kind for e in events]
+
+
+def test_tokens_equal_single_engine_reference(pair):
+    prompts = prompts_for(4, 150, 400, seed=11)
+    ref = reference(pair, prompts)
+    assert len({tuple(r) for r in ref}) == len(ref), "the model must not ignore its prompt"
+    rids, params = prefill(pair, prompts, "eq")
+    for rid, prompt, p in zip(rids, prompts, params, strict=True):
+        pair.d.add(rid, prompt, OUT, p)
+    done = pair.d.wait_done(rids)
+    for rid, r in zip(rids, ref, strict=True):
+        assert done[rid]["finish_reason"] == "length", done[rid]
+        assert done[rid]["token_ids"] == r
+    for p in params:
+        freed = wait_freed(pair, p["remote_request_id"], LEASE_S + 5)
+        assert kinds(freed).count("freed") == 1
+        assert "release_notified" in kinds(freed) and "lease_expired" not in kinds(freed)
+
+
+def test_control_d_follows_p_kv_not_its_own_prompt(pair):
+    (prompt,) = prompts_for(1, 300, 300, seed=12)
+    perturbed = list(prompt)
+    for i in range(40, 200, 7):  # change the middle; keep the last token D computes itself
+        perturbed[i] = (perturbed[i] + 101) % 509 + 3
+    ref_own, ref_perturbed = reference(pair, [prompt, perturbed])
+    assert ref_own != ref_perturbed, "control needs prompts with different greedy outputs"
+    (rid,), (params,) = prefill(pair, [perturbed], "ctl")
+    pair.d.add(rid, prompt, OUT, params)  # D is given the original prompt, P's KV is of the perturbed one
+    out = pair.d.wait_done([rid])[rid]
+    assert out["token_ids"] == ref_perturbed
+    assert out["token_ids"] != ref_own
+
+
+def test_abort_during_slow_read_keeps_lease_until_finished_recving(pair):
+    (prompt,) = prompts_for(1, 250, 250, seed=13)
+    (rid,), (params,) = prefill(pair, [prompt], "slow")
+    slow = LEASE_S * 1.5  # the read outlasts a whole lease: only heartbeats keep P's blocks
+    pair.d.add(rid, prompt, OUT, {**params, DEBUG_DELAY_KEY: slow})
+    time.sleep(0.8)
+    pair.d.abort([rid])
+    assert pair.d.wait_done([rid])[rid]["finish_reason"] == "aborted"
+    p_rid = params["remote_request_id"]
+    p_evs = wait_freed(pair, p_rid, slow + LEASE_S + 5)
+    d_evs = d_events(pair, p_rid)
+    dk = kinds(d_evs)
+    assert dk.index("client_cancelled") < dk.index("split_completed") < dk.index("finished_recving")
+    t_cancel = next(e.t for e in d_evs if e.kind == "client_cancelled")
+    t_recv = next(e.t for e in d_evs if e.kind == "finished_recving")
+    assert sum(1 for e in d_evs if e.kind == "heartbeat_sent" and t_cancel < e.t < t_recv) >= 3
+    assert "lease_expired" not in kinds(p_evs), "P's lease lapsed under a read in flight"
+    assert kinds(p_evs).count("freed") == 1
+    t_freed = next(e.t for e in p_evs if e.kind == "freed")
+    assert t_freed >= t_recv, "P freed before D reported finished_recving"
+    assert sum(1 for e in p_evs if e.kind == "heartbeat_received" and t_cancel < e.t) >= 3
+
+
+def test_abort_before_scheduling_sends_notify_only_release(pair):
+    (prompt,) = prompts_for(1, 200, 200, seed=14)
+    (rid,), (params,) = prefill(pair, [prompt], "early")
+    pair.d.add(rid, prompt, OUT, params, abort_immediately=True)
+    assert pair.d.wait_done([rid])[rid]["finish_reason"] == "aborted"
+    p_rid = params["remote_request_id"]
+    p_evs = wait_freed(pair, p_rid, LEASE_S + 5)
+    d_evs = d_events(pair, p_rid)
+    assert "reads_posted" not in kinds(d_evs)
+    releases = [e for e in d_evs if e.kind == "release_sent"]
+    assert len(releases) == 1 and releases[0].notify_only
+    assert kinds(p_evs).count("freed") == 1 and "lease_expired" not in kinds(p_evs)
+
+
+@pytest.mark.parametrize("case", [
+    "missing_field", "wrong_type", "negative_block", "out_of_range_block", "unknown_engine",
+    "wrong_block_count",
+])
+def test_malformed_params_fail_that_request_engines_keep_serving(pair, case):
+    (prompt,) = prompts_for(1, 260, 260, seed=15)
+    (rid,), (params,) = prefill(pair, [prompt], f"bad-{case}")
+    bad = dict(params)
+    if case == "missing_field":
+        del bad["remote_block_ids"]
+    elif case == "wrong_type":
+        bad["remote_port"] = "not-a-port"
+    elif case == "negative_block":
+        bad["remote_block_ids"] = [[-5, *bad["remote_block_ids"][0][1:]]]
+    elif case == "out_of_range_block":
+        bad["remote_block_ids"] = [[10**9, *bad["remote_block_ids"][0][1:]]]
+    elif case == "unknown_engine":
+        bad["remote_engine_id"] = "no-such-engine"
+    elif case == "wrong_block_count":
+        bad["remote_block_ids"] = [bad["remote_block_ids"][0][:-1]]
+    pair.d.add(rid, prompt, OUT, bad)
+    out = pair.d.wait_done([rid])[rid]
+    assert out["finish_reason"] == "error", out
+    assert out["token_ids"] == []
+    # Both engines still serve: a good hand-off right after works and matches.
+    (good,) = prompts_for(1, 180, 180, seed=16)
+    (ref,) = reference(pair, [good])
+    (rid2,), (params2,) = prefill(pair, [good], f"after-{case}")
+    pair.d.add(rid2, good, OUT, params2)
+    assert pair.d.wait_done([rid2])[rid2]["token_ids"] == ref
+    # P gets its blocks back: at once when D could name the request to P
+    # (notify-only release), within one lease otherwise.
+    p_evs = wait_freed(pair, params["remote_request_id"], LEASE_S + 5)
+    assert kinds(p_evs).count("freed") == 1
+    if case in ("negative_block", "out_of_range_block", "wrong_block_count", "missing_field"):
+        assert "release_notified" in kinds(p_evs)
+
+
+def test_replay_check_of_both_logs_is_clean(pair):
+    logs = pair.p.flush() + pair.d.flush()
+    a = analyse_logs(logs)
+    assert a["replay_violations"] == 0, a["violations"]
+    assert a["double_frees"] == 0
+
+
+def test_d_restart_does_not_hold_p_blocks_past_one_lease(pair):
+    (prompt,) = prompts_for(1, 240, 240, seed=17)
+    (rid,), (params,) = prefill(pair, [prompt], "restart")
+    pair.d.add(rid, prompt, OUT, {**params, DEBUG_DELAY_KEY: 60.0})
+    time.sleep(1.0)  # admitted, read posted, heartbeating
+    pair.restart_d(crash=True)
+    p_rid = params["remote_request_id"]
+    p_evs = wait_freed(pair, p_rid, LEASE_S * 2 + 5)
+    k = kinds(p_evs)
+    assert k.count("freed") == 1 and "lease_expired" in k
+    last_hb = max(e.t for e in p_evs if e.kind in ("heartbeat_received", "exported"))
+    t_expired = next(e.t for e in p_evs if e.kind == "lease_expired")
+    assert t_expired - last_hb <= LEASE_S + 1.0
+    # The restarted D serves hand-offs again.
+    (good,) = prompts_for(1, 200, 200, seed=18)
+    (ref,) = reference(pair, [good])
+    (rid2,), (params2,) = prefill(pair, [good], "reborn")
+    pair.d.add(rid2, good, OUT, params2)
+    assert pair.d.wait_done([rid2])[rid2]["token_ids"] == ref
