@@ -87,7 +87,7 @@ class DecodeEngine:
                                 cfg.d_blocks, cfg.block_bytes) for k in range(cfg.regions)]
             agent.register(regions)
             self.words.append([kv.words(agent.blocks(r.name)) for r in regions])
-        self.state = LifecycleState(retain_terminal=True)
+        self.state = LifecycleState()  # keeps FREED / DONE records: runs are short
         self.stream = Stream(name, Side.D, 0)
         self.ledger = Ledger(self.stream, self.state, sink)
         self.pool = SimBlockPool(self.agents, cfg.d_blocks, source=False)

@@ -82,7 +82,7 @@ class PrefillEngine:
             self.words.append([kv.words(agent.blocks(r.name)) for r in regions])
         # Terminal records are kept: P answers a late heartbeat for a request it
         # released with "released" (0), not "unknown" (< 0).
-        self.state = LifecycleState(retain_terminal=True)
+        self.state = LifecycleState()  # keeps FREED / DONE records: runs are short
         self.streams = [Stream(name, Side.P, r) for r in range(cfg.tp)]
         self.ledgers = [Ledger(s, self.state, sink) for s in self.streams]
         self.pool = SimBlockPool(self.agents, cfg.p_blocks)
