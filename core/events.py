@@ -57,11 +57,18 @@ class PrefillStarted(Event):
 
 @dataclass(frozen=True, slots=True)
 class Exported(Event):
-    """Prefill done; the blocks are pinned until released or ``t + lease_s``."""
+    """Prefill done; the blocks are pinned until released or ``t + lease_s``.
+
+    ``token`` is the release capability P handed out with the transfer
+    parameters: heartbeats and releases that do not carry it are ignored and
+    counted, so a stray engine cannot free a lease it does not hold.  Empty
+    means no check (the first engine to heartbeat or release binds).
+    """
 
     lease_s: float = 30.0
     consumer_ranks: tuple[int, ...] = (0,)
     num_blocks: int = 0
+    token: str = ""
     kind: ClassVar[str] = "exported"
 
 
@@ -70,6 +77,7 @@ class HeartbeatReceived(Event):
     """A consumer engine asked P to keep the request's blocks alive."""
 
     from_engine: str = ""
+    token: str = ""
     kind: ClassVar[str] = "heartbeat_received"
 
 
@@ -79,6 +87,7 @@ class ReleaseNotified(Event):
 
     from_engine: str = ""
     consumer_rank: int = 0
+    token: str = ""
     kind: ClassVar[str] = "release_notified"
 
 

@@ -21,7 +21,7 @@ class Ledger:
     def __init__(self, stream: Stream, state: LifecycleState | None = None,
                  sink: Callable[[Event], None] | None = None) -> None:
         self.stream = stream
-        self.state = state if state is not None else LifecycleState(retain_terminal=False)
+        self.state = state if state is not None else LifecycleState()
         self.sink = sink
         self._seq = self.state.stream(stream).last_seq + 1
 

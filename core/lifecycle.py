@@ -17,8 +17,9 @@ prepare or no satisfied guard raises `InvalidTransition` (or `SequenceError`)
 and leaves the state exactly as it was.
 
 Notifications that arrive for requests that are unknown, already released or
-expired, or that come from the wrong peer, are legal no-ops: they change
-nothing and are counted in ``StreamState.ignored``.
+expired, or that come from the wrong peer (another engine, or without the
+release token P minted), are legal no-ops: they change nothing and are
+counted in ``StreamState.ignored``.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class ProducerRecord:
     """P's view of one request on one rank."""
 
     __slots__ = ("state", "lease_s", "deadline", "expected", "notified", "consumer",
-                 "num_blocks", "ended", "t0")
+                 "token", "num_blocks", "ended", "t0", "t_end")
 
     def __init__(self, t0: float) -> None:
         self.state = PState.PREFILLING
@@ -82,13 +83,15 @@ class ProducerRecord:
         self.expected: tuple[int, ...] = ()
         self.notified: tuple[int, ...] = ()
         self.consumer = ""  # bound on the first heartbeat or release
+        self.token = ""  # the release capability, when P minted one
         self.num_blocks = 0
         self.ended = ""  # why the blocks were given up: released / expired / aborted
         self.t0 = t0
+        self.t_end = math.inf  # when the record became terminal
 
     def key(self) -> tuple:
         return (self.state.value, self.lease_s, self.deadline, self.expected, self.notified,
-                self.consumer, self.num_blocks, self.ended)
+                self.consumer, self.token, self.num_blocks, self.ended)
 
 
 class ConsumerRecord:
@@ -96,7 +99,7 @@ class ConsumerRecord:
 
     __slots__ = ("state", "remote_engine", "remote_ranks", "num_blocks", "lease_s", "margin",
                  "local_id", "split_ranks", "split_done", "failed", "cancelled",
-                 "safe_until", "gone", "last_heartbeat", "t0")
+                 "safe_until", "gone", "last_heartbeat", "t0", "t_end")
 
     def __init__(self, t0: float) -> None:
         self.state = DState.ADMITTED
@@ -115,6 +118,7 @@ class ConsumerRecord:
         self.gone: tuple[int, ...] = ()  # P ranks that said they no longer hold the blocks
         self.last_heartbeat = t0
         self.t0 = t0
+        self.t_end = math.inf
 
     def key(self) -> tuple:
         return (self.state.value, self.remote_engine, self.remote_ranks, self.num_blocks,
@@ -142,18 +146,13 @@ class StreamState:
 
 
 class LifecycleState:
-    """The fold of one or many streams' events.
+    """The fold of one or many streams' events."""
 
-    ``retain_terminal=False`` drops a record once it is FREED / DONE, which
-    is what a long-running engine wants; replay keeps them.
-    """
+    __slots__ = ("streams", "events")
 
-    __slots__ = ("streams", "events", "retain_terminal")
-
-    def __init__(self, retain_terminal: bool = True) -> None:
+    def __init__(self) -> None:
         self.streams: dict[Stream, StreamState] = {}
         self.events = 0
-        self.retain_terminal = retain_terminal
 
     def stream(self, stream: Stream) -> StreamState:
         ss = self.streams.get(stream)
@@ -181,6 +180,7 @@ def _export(ss: StreamState, rec: ProducerRecord | None, ev) -> ProducerRecord:
     rec = rec or ProducerRecord(ev.t)
     rec.lease_s, rec.deadline = ev.lease_s, ev.t + ev.lease_s
     rec.expected, rec.num_blocks = tuple(sorted(set(ev.consumer_ranks))), ev.num_blocks
+    rec.token = ev.token
     return rec
 
 
@@ -188,7 +188,10 @@ def _start_prefill(ss, rec, ev) -> ProducerRecord:
     return ProducerRecord(ev.t)
 
 
-def _is_from_consumer(ss: StreamState, rec: ProducerRecord, engine: str) -> bool:
+def _is_from_consumer(ss: StreamState, rec: ProducerRecord, engine: str, token: str) -> bool:
+    if rec.token and token != rec.token:
+        ss.ignored["bad_token"] += 1
+        return False
     if rec.consumer and engine != rec.consumer:
         ss.ignored["wrong_peer"] += 1
         return False
@@ -199,7 +202,7 @@ def _is_from_consumer(ss: StreamState, rec: ProducerRecord, engine: str) -> bool
 def _extend_lease(ss, rec: ProducerRecord, ev) -> ProducerRecord | None:
     # An overdue lease that was not reaped yet still holds intact blocks, so
     # a late heartbeat may revive it; a freed one never comes back.
-    if not _is_from_consumer(ss, rec, ev.from_engine):
+    if not _is_from_consumer(ss, rec, ev.from_engine, ev.token):
         return None
     rec.deadline = max(rec.deadline, ev.t + rec.lease_s)
     return rec
@@ -209,7 +212,7 @@ def _note_release(ss, rec: ProducerRecord, ev) -> ProducerRecord | None:
     if ev.consumer_rank not in rec.expected:
         ss.ignored["unexpected_rank"] += 1
         return None
-    if not _is_from_consumer(ss, rec, ev.from_engine):
+    if not _is_from_consumer(ss, rec, ev.from_engine, ev.token):
         return None
     if ev.consumer_rank in rec.notified:
         ss.ignored["duplicate_release"] += 1
@@ -488,11 +491,28 @@ def apply(state: LifecycleState, event: Event) -> LifecycleState:
     if new_rec is None:  # ignored notification: counted by the prepare step
         return state
     new_rec.state = dest
-    if dest in TERMINAL and not state.retain_terminal:
-        ss.requests.pop(event.request_id, None)
-    else:
-        ss.requests[event.request_id] = new_rec
+    if dest in TERMINAL:
+        new_rec.t_end = event.t
+    ss.requests[event.request_id] = new_rec
     return state
+
+
+def prune_terminal(state: LifecycleState, stream: Stream, before: float) -> int:
+    """Forget the stream's FREED / DONE records that ended before ``before``.
+
+    A long-running engine calls this with ``now - lease`` or so: a freed
+    request stays known long enough to answer late heartbeats and releases
+    precisely ("released", not "unknown"), and memory stays bounded.  This is
+    the one change to the state that is not an event: a pruned state no
+    longer equals the full fold of its log.
+    """
+    ss = state.streams.get(stream)
+    if ss is None:
+        return 0
+    old = [rid for rid, rec in ss.requests.items() if rec.t_end < before]
+    for rid in old:
+        del ss.requests[rid]
+    return len(old)
 
 
 def fold(events: Iterable[Event], state: LifecycleState | None = None) -> LifecycleState:

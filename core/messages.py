@@ -20,21 +20,32 @@ WIRE_VERSION = 1
 
 @dataclass(frozen=True, slots=True)
 class Release:
-    """D rank ``rank`` of engine ``engine`` is done with P's request ``request_id``."""
+    """D rank ``rank`` of engine ``engine`` is done with P's request ``request_id``.
+
+    ``token`` is the release capability from the transfer parameters.
+    """
 
     request_id: str
     engine: str
     rank: int
+    token: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
-    """Keep these requests' blocks alive; ``sent_at`` is D's clock, echoed in the ack."""
+    """Keep these requests' blocks alive; ``sent_at`` is D's clock, echoed in the ack.
+
+    ``tokens``, when given, holds each request's release token, in order.
+    """
 
     engine: str
     rank: int
     sent_at: float
     request_ids: tuple[str, ...]
+    tokens: tuple[str, ...] = ()
+
+    def token_of(self, index: int) -> str:
+        return self.tokens[index] if self.tokens else ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +84,13 @@ def _type_name(kind) -> str:
     return " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
 
 
+def _strings(obj: dict, name: str, what: str) -> tuple[str, ...]:
+    values = _field(obj, name, list, what)
+    if not all(isinstance(v, str) for v in values):
+        raise MalformedMessage(f"{what}: field {name!r} must hold strings")
+    return tuple(values)
+
+
 def decode(data: bytes) -> Message:
     """Parse one notification; raise `MalformedMessage` saying what was wrong."""
     try:
@@ -92,13 +110,15 @@ def decode(data: bytes) -> Message:
     if rank < 0:
         raise MalformedMessage(f"{what}: field 'rank' must be >= 0, found {rank}")
     if cls is Release:
-        return Release(_field(obj, "request_id", str, what), engine, rank)
+        token = _field(obj, "token", str, what) if "token" in obj else ""
+        return Release(_field(obj, "request_id", str, what), engine, rank, token)
     sent_at = float(_field(obj, "sent_at", (int, float), what))
     if cls is Heartbeat:
-        ids = _field(obj, "request_ids", list, what)
-        if not all(isinstance(i, str) for i in ids):
-            raise MalformedMessage(f"{what}: field 'request_ids' must hold strings")
-        return Heartbeat(engine, rank, sent_at, tuple(ids))
+        ids = _strings(obj, "request_ids", what)
+        tokens = _strings(obj, "tokens", what) if "tokens" in obj else ()
+        if tokens and len(tokens) != len(ids):
+            raise MalformedMessage(f"{what}: {len(tokens)} tokens for {len(ids)} request ids")
+        return Heartbeat(engine, rank, sent_at, ids, tokens)
     left = _field(obj, "time_left", dict, what)
     if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in left.values()):
         raise MalformedMessage(f"{what}: field 'time_left' must map request ids to numbers")

@@ -57,10 +57,19 @@ def to_free(state: LifecycleState, stream: Stream) -> list[str]:
     return [rid for rid, rec in _records(state, stream) if rec.state in _TO_FREE]
 
 
-def lease_time_left(state: LifecycleState, stream: Stream, request_id: str, t: float) -> float:
-    """P's answer to a heartbeat: > 0 alive (seconds left), 0 released, < 0 gone."""
+def lease_time_left(state: LifecycleState, stream: Stream, request_id: str, t: float, *,
+                    engine: str | None = None, token: str | None = None) -> float:
+    """P's answer to a heartbeat: > 0 alive (seconds left), 0 released, < 0 gone.
+
+    Pass the asking ``engine`` and the ``token`` it presented: an asker that
+    is not the request's consumer is told "gone", never "released", so it
+    cannot mistake another engine's release for the end of its own reads.
+    """
     rec = state.record(stream, request_id)
     if not isinstance(rec, ProducerRecord):
+        return -1.0
+    if (token is not None and rec.token and token != rec.token) or (
+            engine is not None and rec.consumer and engine != rec.consumer):
         return -1.0
     if rec.state is PState.EXPORTED:
         return rec.deadline - t if t < rec.deadline else -1.0

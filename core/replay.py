@@ -14,7 +14,10 @@ Invariants checked (ARCHITECTURE.md):
   heartbeat while the request was in a heartbeat state (e.g. a cancelled
   request whose reads were still in flight).
 * ``served_freed`` — D accepted a request's bytes (RECEIVED, not cancelled)
-  although one of its reads completed after P freed the source blocks.
+  although one of its reads completed after P freed the source blocks for
+  any reason other than this D's own releases (each READ carries its
+  release, so a free on them follows the reads even if D logs the
+  completion later).
 * ``leak`` — an exported request that P still held one lease after its
   deadline, at the end of P's log.
 
@@ -115,7 +118,7 @@ def replay(events: Sequence[Event], *, request: str | None = None, until: int | 
     if until is not None:
         events = [e for e in events if e.seq <= until]
     ordered = merge_by_time(events)
-    result = Replay(LifecycleState(retain_terminal=True))
+    result = Replay(LifecycleState())
     state = result.state
     # P's free time per (P engine, P rank, request) and D's in-flight splits, for cross checks.
     freed_at: dict[tuple[str, int, str], float] = {}
@@ -139,8 +142,13 @@ def replay(events: Sequence[Event], *, request: str | None = None, until: int | 
             result.timeline.append((event, rec.state.value if rec is not None else "-"))
         if event.stream.side is Side.P:
             if isinstance(event, Freed):
-                freed_at[(event.stream.engine, event.stream.rank, event.request_id)] = event.t
-                result.freed_under_read += _reads_in_flight(state, event)
+                # A free on the consumer's own releases follows its reads (each
+                # READ carries its release), even when D logs the completion
+                # later; anything else (expiry, abort, another engine's
+                # release) may have freed the source under a read.
+                key = (event.stream.engine, event.stream.rank, event.request_id)
+                freed_at[key] = (event.t, rec.consumer if rec.ended == "released" else None)
+                result.freed_under_read += _reads_in_flight(state, event, rec)
         elif isinstance(rec, ConsumerRecord):
             _check_consumer(result, freed_at, event, rec)
     _check_leaks(result, last_t)
@@ -153,11 +161,12 @@ def _skip(state: LifecycleState, event: Event) -> None:
     ss.last_seq = max(ss.last_seq, event.seq)
 
 
-def _reads_in_flight(state: LifecycleState, freed: Event) -> int:
+def _reads_in_flight(state: LifecycleState, freed: Event, p_rec: ProducerRecord) -> int:
     engine, rank, rid = freed.stream.engine, freed.stream.rank, freed.request_id
     count = 0
     for ss in state.streams.values():
-        if ss.stream.side is not Side.D:
+        if ss.stream.side is not Side.D or (
+                p_rec.ended == "released" and ss.stream.engine == p_rec.consumer):
             continue
         rec = ss.requests.get(rid)
         if (isinstance(rec, ConsumerRecord) and rec.remote_engine == engine
@@ -177,8 +186,10 @@ def _check_consumer(result: Replay, freed_at: dict, event: Event, rec: ConsumerR
             rec.last_heartbeat = event.t  # report each gap once
     if rec.state is DState.RECEIVED and event.kind == "finished_recving" and not rec.cancelled:
         for rank, done in zip(rec.split_ranks, rec.split_done, strict=True):
-            t_free = freed_at.get((rec.remote_engine, rank, event.request_id))
-            if t_free is not None and isinstance(done, float) and done > t_free:
+            t_free, released_by = freed_at.get((rec.remote_engine, rank, event.request_id),
+                                               (None, None))
+            if (t_free is not None and released_by != event.stream.engine
+                    and isinstance(done, float) and done > t_free):
                 result.violations.append(Violation(
                     "served_freed", describe(event),
                     f"read from {rec.remote_engine} rank {rank} completed at t={done} "

@@ -32,7 +32,15 @@ from kvhandoff.core.events import (
     SplitFailed,
     Validated,
 )
-from kvhandoff.core.lifecycle import D_GRAPH, P_GRAPH, TABLES, DState, PState, apply
+from kvhandoff.core.lifecycle import (
+    D_GRAPH,
+    P_GRAPH,
+    TABLES,
+    DState,
+    PState,
+    apply,
+    prune_terminal,
+)
 from kvhandoff.core.replay import state_hash
 
 P, D = PState, DState
@@ -221,11 +229,26 @@ def test_stale_and_duplicate_notifications_change_nothing_and_are_counted():
     assert before != state_hash(ledger.state)  # only the counters moved
 
 
-def test_terminal_records_can_be_dropped_for_long_running_engines():
-    ledger = ledger_in(P.FREED, retain_terminal=False)
+def test_terminal_records_are_pruned_after_a_while_for_long_running_engines():
+    ledger = ledger_in(P.FREED)  # freed at t=0.005
+    assert prune_terminal(ledger.state, P0, before=0.005) == 0  # still answers late heartbeats
+    assert ledger.state.record(P0, RID).state is P.FREED
+    assert prune_terminal(ledger.state, P0, before=1.0) == 1
     assert ledger.state.record(P0, RID) is None
     with pytest.raises(InvalidTransition):  # a second free of a forgotten request still fails
         ledger.record(Freed, RID, 1.0)
+
+
+def test_release_token_keeps_strays_from_freeing_a_live_lease():
+    ledger = _ledger(P.NEW)
+    ledger.record(Exported, RID, 0.0, lease_s=5.0, consumer_ranks=(0,), token="t0k")
+    ledger.record(ReleaseNotified, RID, 1.0, from_engine="decode-stray", consumer_rank=0)
+    ledger.record(HeartbeatReceived, RID, 1.0, from_engine="decode-stray", token="guess")
+    rec = ledger.state.record(P0, RID)
+    assert rec.state is P.EXPORTED and rec.consumer == "" and rec.deadline == 5.0
+    assert ledger.state.streams[P0].ignored["bad_token"] == 2
+    ledger.record(ReleaseNotified, RID, 1.1, from_engine="decode-0", consumer_rank=0, token="t0k")
+    assert rec.state is P.RELEASED and rec.consumer == "decode-0"
 
 
 def test_lease_times_are_math():

@@ -10,7 +10,9 @@ from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Release, decode, en
 
 @pytest.mark.parametrize("msg", [
     Release("req-1", "decode-0", 1),
+    Release("req-1", "decode-0", 1, "tok"),
     Heartbeat("decode-0", 0, 12.5, ("a", "b")),
+    Heartbeat("decode-0", 0, 12.5, ("a", "b"), ("ta", "tb")),
     HeartbeatAck("prefill-0", 2, 12.5, {"a": 3.25, "b": -1.0, "c": 0.0}),
 ])
 def test_round_trip(msg):
@@ -28,6 +30,9 @@ def test_round_trip(msg):
     (b'{"v":1,"k":"hb","engine":"d","rank":0,"sent_at":"x","request_ids":[]}',
      "'sent_at' must be int or float"),
     (b'{"v":1,"k":"hb","engine":"d","rank":0,"sent_at":1,"request_ids":[1]}', "hold strings"),
+    (b'{"v":1,"k":"hb","engine":"d","rank":0,"sent_at":1,"request_ids":["a"],"tokens":["x","y"]}',
+     "2 tokens for 1 request ids"),
+    (b'{"v":1,"k":"rel","engine":"d","rank":0,"request_id":"r","token":5}', "'token' must be str"),
     (b'{"v":1,"k":"ack","engine":"p","rank":0,"sent_at":1,"time_left":{"r":"x"}}',
      "map request ids to numbers"),
 ])

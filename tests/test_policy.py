@@ -155,3 +155,20 @@ def test_failed_split_still_waits_for_the_others_to_drain():
 def test_read_verdict_of_a_request_without_reads_is_a_key_error():
     with pytest.raises(KeyError, match="no reads in progress"):
         policy.read_verdict(ledger_in(DState.ADMITTED).state, D0, RID)
+
+
+def test_lease_time_left_tells_a_stray_asker_gone_not_released():
+    ledger = ledger_in(PState.RELEASED)  # released on decode-0's notifications
+    assert policy.lease_time_left(ledger.state, P0, RID, 4.0, engine="decode-0") == 0.0
+    assert policy.lease_time_left(ledger.state, P0, RID, 4.0, engine="decode-9") == -1.0
+
+
+def test_lease_time_left_checks_the_token_when_p_minted_one():
+    from kvhandoff.core.events import Exported
+    from kvhandoff.core.ledger import Ledger
+    from kvhandoff.core.lifecycle import LifecycleState
+
+    ledger = Ledger(P0, LifecycleState())
+    ledger.record(Exported, RID, 0.0, lease_s=5.0, consumer_ranks=(0,), token="secret")
+    assert policy.lease_time_left(ledger.state, P0, RID, 1.0, token="secret") == 4.0
+    assert policy.lease_time_left(ledger.state, P0, RID, 1.0, token="wrong") == -1.0

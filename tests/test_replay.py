@@ -93,6 +93,31 @@ def test_clean_hand_off_passes_check(tmp_path, capsys):
     assert out["events"] == 13 and len(out["state_hash"]) == 32
 
 
+def test_free_on_the_reads_own_release_before_d_logs_the_completion_is_fine(tmp_path, capsys):
+    """Each READ carries its release: P may free before D's next step logs the completion."""
+    e = Engines(tmp_path)
+    e.start_read("req-1", 1.0)
+    e.P.record(ReleaseNotified, "req-1", 1.5, from_engine="decode-0", consumer_rank=0)
+    e.P.record(Freed, "req-1", 1.5)
+    e.finish_read("req-1", 1.6)
+    code, out = _json(capsys, *e.close(), "--check")
+    assert code == 0 and out["violations"] == [] and out["freed_under_read"] == 0
+
+
+def test_release_by_another_engine_counts_as_freed_under_read(tmp_path, capsys):
+    """Without a release token, a stray engine's release can beat the consumer's heartbeat."""
+    e = Engines(tmp_path)
+    e.P.record(Exported, "req-1", 1.0, lease_s=LEASE, consumer_ranks=(0,), num_blocks=2)
+    e.D.record(Admitted, "req-1", 1.1, remote_engine="prefill-0", remote_ranks=(0,),
+               num_blocks=2, lease_s=LEASE, lease_margin_s=0.5, local_request_id="req-1")
+    e.D.record(Validated, "req-1", 1.1)
+    e.D.record(ReadsPosted, "req-1", 1.1, split_ranks=(0,))
+    e.P.record(ReleaseNotified, "req-1", 1.2, from_engine="decode-9", consumer_rank=0)
+    e.P.record(Freed, "req-1", 1.2)
+    code, out = _json(capsys, *e.close())
+    assert out["freed_under_read"] == 1
+
+
 def test_timeline_shows_both_engines_in_time_order(tmp_path, capsys):
     e = Engines(tmp_path)
     e.start_read("req-1", 1.0)
