@@ -59,6 +59,16 @@ class RegionSpec:
     seed: int = 0  # filled with `pattern(seed, ...)`
 
 
+@dataclass(frozen=True, slots=True)
+class RegionView:
+    """A region carved out of one payload allocation: ``num_blocks`` x ``block_bytes`` at ``offset``."""
+
+    name: str
+    offset: int
+    num_blocks: int
+    block_bytes: int
+
+
 def pattern(seed: int, nbytes: int, xp: Any = np, device: Any = None) -> Any:
     """Deterministic, position-dependent bytes: word ``i`` is ``i + 1 + seed << 40``.
 
@@ -105,9 +115,22 @@ class TransportProcess:
         """Have the child allocate (and fill, and by default register) ``specs``."""
         self._call("allocate", list(specs), register)
 
+    def allocate_views(self, kind: MemoryKind, device: int, nbytes: int, seed: int,
+                       views: Sequence[RegionView]) -> float:
+        """One filled allocation in the child, registered as ``views``; returns register ms."""
+        return self._call("allocate_views", kind, device, nbytes, seed, list(views))
+
     # -- the protocol -----------------------------------------------------------
 
     def register(self, regions: Sequence[KVRegion]) -> None:
+        """Register ``regions`` in the child.
+
+        A region whose buffer is a `RegionSpec` is allocated by the child (any
+        memory kind); any other buffer must come from `shared_array`.
+        """
+        if all(isinstance(r.buffer, RegionSpec) for r in regions):
+            self.allocate([r.buffer for r in regions])
+            return
         self._call("register_shared", [self._shared_spec(r) for r in regions])
 
     def metadata(self) -> bytes:
@@ -251,6 +274,33 @@ class _Child:
             regions.append(KVRegion(s.name, buf, s.num_blocks, s.block_bytes, s.kind, s.device))
         if register:
             self.transport.register(regions)
+
+    def allocate_views(self, kind: MemoryKind, device: int, nbytes: int, seed: int,
+                       views: list[RegionView]) -> float:
+        if kind is MemoryKind.VRAM:
+            import torch
+
+            buf = pattern(seed, nbytes, torch, f"cuda:{device}").clone()
+            torch.cuda.synchronize(device)
+        else:
+            buf = pattern(seed, nbytes).copy()
+        self.buffers["payload"] = buf
+        regions = [KVRegion(v.name, buf[v.offset:v.offset + v.num_blocks * v.block_bytes],
+                            v.num_blocks, v.block_bytes, kind, device) for v in views]
+        t0 = time.perf_counter()
+        self.transport.register(regions)
+        return (time.perf_counter() - t0) * 1e3
+
+    def write(self, name: str, rows: np.ndarray) -> None:
+        """Overwrite region ``name`` (allocated here, any kind) with host ``rows``."""
+        buf = self.buffers[name]
+        if isinstance(buf, np.ndarray):
+            buf.reshape(-1)[:rows.size] = rows.reshape(-1)
+        else:
+            import torch
+
+            buf.view(-1)[:rows.size].copy_(torch.from_numpy(np.ascontiguousarray(rows)).view(-1))
+            torch.cuda.synchronize(buf.device)
 
     def idle_cpu_percent(self, seconds: float) -> float:
         """CPU this process (all its threads) used while doing nothing, % of one core."""

@@ -1,0 +1,383 @@
+"""``kvhandoff bench nixl --device cpu|cuda [--json]``: real NIXL READs of KV-shaped blocks.
+
+Two processes: the producer P (a `TransportProcess`) owns one payload
+allocation (256 MiB host memory for cpu, 1 GiB VRAM for cuda) filled with a
+position-dependent pattern; this process is the reader D.  Both sides carve
+the payload into the regions of four realistic KV layouts (`LAYOUTS`), so
+one physical allocation per side serves every row and is registered once.
+Each row READs the whole payload in that layout's blocks, remote order
+shuffled (except the first row, whose in-order blocks coalesce into one
+descriptor), ``--reps`` times; every repetition's bytes are compared with
+the pattern.  The baseline is measured in the same run on the same bytes: a
+``torch`` device-to-device copy (cuda) or a ``numpy`` copy (cpu).  Medians.
+
+Also measured: the time to register all regions (``registration_ms``, on D),
+and the CPU an idle agent burns (``idle_cpu_percent``, P and D after the
+READs), next to what NIXL's stock busy-spinning progress thread burns
+(``idle_cpu_percent_nixl_default``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """How a model's KV cache is cut into regions and blocks of 16 tokens.
+
+    ``arrangement``: ``blocks-first`` (one region; a block holds every
+    layer's K and V), ``per-layer`` (one region per layer; a block holds that
+    layer's K and V), ``per-layer-kv`` (separate K and V regions per layer).
+    """
+
+    model: str
+    layers: int
+    kv_heads: int
+    head_size: int
+    arrangement: str
+    shuffled: bool = True
+    dtype_bytes: int = 2
+    tokens: int = 16
+
+    @property
+    def block_bytes(self) -> int:
+        per_head = self.tokens * self.head_size * self.dtype_bytes * self.kv_heads
+        if self.arrangement == "blocks-first":
+            return per_head * 2 * self.layers
+        return per_head * (2 if self.arrangement == "per-layer" else 1)
+
+    @property
+    def regions(self) -> int:
+        return {"blocks-first": 1, "per-layer": self.layers,
+                "per-layer-kv": 2 * self.layers}[self.arrangement]
+
+    def num_blocks(self, payload: int) -> int:
+        return payload // (self.block_bytes * self.regions)
+
+    def describe(self) -> str:
+        order = "shuffled" if self.shuffled else "in order"
+        return (f"{self.model}: {self.layers} layers x K/V x {self.kv_heads} KV heads x "
+                f"{self.head_size} x {self.tokens} tokens, bf16, {self.arrangement}, {order}")
+
+
+# About 1, 512, 8,192 and 65,536 descriptors for each device's payload.
+LAYOUTS: dict[str, tuple[KVLayout, ...]] = {
+    "cpu": (  # 256 MiB
+        KVLayout("Llama-3.2-1B", 16, 8, 64, "blocks-first", shuffled=False),
+        KVLayout("Llama-3.2-1B", 16, 8, 64, "blocks-first"),
+        KVLayout("Llama-3.2-1B", 16, 8, 64, "per-layer"),
+        KVLayout("Llama-3.2-1B TP4 rank", 16, 2, 64, "per-layer-kv"),
+    ),
+    "cuda": (  # 1 GiB
+        KVLayout("Llama-3.1-8B", 32, 8, 128, "blocks-first", shuffled=False),
+        KVLayout("Llama-3.1-8B", 32, 8, 128, "blocks-first"),
+        KVLayout("Gemma-2-27B", 46, 16, 128, "per-layer"),
+        KVLayout("Qwen2.5-7B", 28, 4, 128, "per-layer-kv"),
+    ),
+}
+PAYLOAD = {"cpu": 256 * MiB, "cuda": 1024 * MiB}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--payload-mib", type=int, default=None,
+                        help="bytes READ per row (default: 256 cpu, 1024 cuda)")
+    parser.add_argument("--reps", type=int, default=5, help="READs per row (median reported)")
+    parser.add_argument("--progress-delay-us", type=int, default=None,
+                        help="progress-thread poll timeout (default: kvhandoff's; 0: NIXL's busy-spin)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="UCX worker threads posting one READ (NIXL num_threads)")
+    parser.add_argument("--idle-seconds", type=float, default=2.0)
+    parser.add_argument("--seed", type=int, default=7)
+
+
+def run(args: argparse.Namespace) -> dict:
+    # NIXL's Python logger and structlog's default both print to stdout, which
+    # belongs to the one JSON object the CLI prints after we return.
+    with contextlib.redirect_stdout(sys.stderr):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> dict:
+    from kvhandoff.transports.base import KVRegion, MemoryKind
+    from kvhandoff.transports.nixl import NixlOptions, NixlTransport, ReadSplit, runs_array
+    from kvhandoff.transports.nixl.process import TransportProcess, pattern
+
+    device = args.device
+    payload = (args.payload_mib * MiB) if args.payload_mib else PAYLOAD[device]
+    kind = MemoryKind.VRAM if device == "cuda" else MemoryKind.DRAM
+    defaults = NixlOptions()
+    delay = defaults.progress_delay_us if args.progress_delay_us is None else args.progress_delay_us
+    options = NixlOptions(progress_delay_us=delay, num_threads=args.threads)
+    layouts = LAYOUTS[device]
+    views, plans = _views(layouts, payload)
+    rng = np.random.default_rng(args.seed)
+    tag = f"{os.getpid()}"
+
+    xp = _Arrays(device)
+    with TransportProcess(f"bench-P-{tag}", options) as p:
+        p.allocate_views(kind, 0, payload, args.seed, views)
+        d = NixlTransport(f"bench-D-{tag}", options)
+        try:
+            dst = xp.zeros(payload)
+            regions = [KVRegion(v.name, dst[v.offset:v.offset + v.num_blocks * v.block_bytes],
+                                v.num_blocks, v.block_bytes, kind, 0) for v in views]
+            t0 = time.perf_counter()
+            d.register(regions)
+            registration_ms = (time.perf_counter() - t0) * 1e3
+            peer = d.add_peer(p.metadata())
+            p.add_peer(d.metadata())
+            expected = xp.pattern(pattern, args.seed, payload)
+            baseline = _baseline(xp, expected, dst, args.reps)
+            rows = []
+            for layout, plan in zip(layouts, plans, strict=True):
+                nb = plan["num_blocks"]
+                order = rng.permutation(nb) if layout.shuffled else np.arange(nb)
+                runs = runs_array(order, np.arange(nb))
+                split = ReadSplit(runs, tuple((n, n) for n in plan["names"]))
+                moved = nb * layout.block_bytes * layout.regions
+                times, posts, verified, descs = [], [], True, 0
+                _read_once(d, peer, split)  # warm-up: first-touch, connection, IPC mapping
+                for _ in range(args.reps):
+                    xp.clear(dst)
+                    before = d.descriptors_posted
+                    elapsed, posting = _read_once(d, peer, split)
+                    descs = d.descriptors_posted - before
+                    times.append(elapsed)
+                    posts.append(posting)
+                    verified &= xp.verify(dst, expected, [views[i] for i in plan["index"]],
+                                          order)
+                read_gbps = moved / statistics.median(times) / 1e9
+                rows.append({
+                    "layout": layout.describe(),
+                    "descriptors": descs,
+                    "block_bytes": layout.block_bytes,
+                    "descriptor_bytes": moved // descs,
+                    "bytes": moved,
+                    "read_GBps": round(read_gbps, 3),
+                    "baseline_GBps": round(baseline, 3),
+                    "ratio": round(read_gbps / baseline, 4),
+                    "post_us_per_descriptor": round(statistics.median(posts) * 1e6 / descs, 4),
+                    "read_ms_median": round(statistics.median(times) * 1e3, 3),
+                    "verified": bool(verified),
+                })
+            idle_p = p.call("idle_cpu_percent", args.idle_seconds)
+            idle_d = _idle_cpu_percent(args.idle_seconds)
+            registrations_d = len(d.registrations)
+        finally:
+            d.close()
+    idle_default = _idle_default(args.idle_seconds)
+    result = {
+        "device": device,
+        "machine": xp.machine(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "payload_bytes": payload,
+        "reps": args.reps,
+        "rows": rows,
+        "registration_ms": round(registration_ms, 3),
+        "regions": len(views),
+        "registrations_d": registrations_d,
+        "idle_cpu_percent": round(max(idle_p, idle_d), 2),
+        "idle_cpu_percent_by_side": {"p": round(idle_p, 2), "d": round(idle_d, 2)},
+        "idle_cpu_percent_nixl_default": round(idle_default, 2),
+        "options": {"progress_delay_us": delay, "num_threads": args.threads},
+        "versions": _versions(),
+        "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
+    }
+    result["targets"] = _targets(device, result)
+    return result
+
+
+def _views(layouts, payload):
+    from kvhandoff.transports.nixl.process import RegionView
+
+    views: list[RegionView] = []
+    plans = []
+    for n, layout in enumerate(layouts):
+        nb = layout.num_blocks(payload)
+        size = nb * layout.block_bytes
+        names, index = [], []
+        for r in range(layout.regions):
+            name = f"row{n}.region{r}"
+            index.append(len(views))
+            views.append(RegionView(name, r * size, nb, layout.block_bytes))
+            names.append(name)
+        plans.append({"num_blocks": nb, "names": names, "index": index})
+    return views, plans
+
+
+def _read_once(d, peer, split) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    handle = d.post_split_read(peer, [split])
+    t1 = time.perf_counter()
+    while True:
+        done = d.poll()
+        if done:
+            break
+    t2 = time.perf_counter()
+    (c,) = done
+    if not c.ok or c.handle != handle:
+        raise RuntimeError(f"bench READ failed: {c}")
+    return t2 - t0, t1 - t0
+
+
+def _baseline(xp, src, dst, reps: int) -> float:
+    times = []
+    for _ in range(reps + 1):
+        times.append(xp.copy(dst, src))
+    return src_bytes(src) / statistics.median(times[1:]) / 1e9
+
+
+def src_bytes(a: Any) -> int:
+    return a.nbytes if isinstance(a, np.ndarray) else a.numel() * a.element_size()
+
+
+def _idle_cpu_percent(seconds: float) -> float:
+    t0, w0 = os.times(), time.monotonic()
+    time.sleep(seconds)
+    t1, w1 = os.times(), time.monotonic()
+    return 100.0 * ((t1.user - t0.user) + (t1.system - t0.system)) / (w1 - w0)
+
+
+def _idle_default(seconds: float) -> float:
+    """An idle agent with NIXL's own progress-thread setting (delay 0), for comparison."""
+    from kvhandoff.transports.nixl import NixlOptions
+    from kvhandoff.transports.nixl.process import TransportProcess
+
+    with TransportProcess(f"bench-idle-default-{os.getpid()}",
+                          NixlOptions(progress_delay_us=0)) as p:
+        return p.call("idle_cpu_percent", seconds)
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for dist in ("nixl", "nixl-cu13", "nixl-cu12", "torch", "numpy"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _targets(device: str, r: dict) -> dict:
+    rows = r["rows"]
+    out: dict[str, bool] = {"all_verified": all(x["verified"] for x in rows),
+                            "idle_le_10pct": r["idle_cpu_percent"] <= 10.0}
+    if device == "cuda":
+        big = [x for x in rows if x["descriptor_bytes"] >= 256 * 1024]
+        many = [x for x in rows if x["descriptors"] >= 8192]
+        top = [x for x in rows if x["descriptors"] >= 60000]
+        out["ratio_ge_0.5_for_blocks_ge_256KiB"] = all(x["ratio"] >= 0.5 for x in big)
+        out["ratio_ge_0.25_at_8192_plus_descriptors"] = all(x["ratio"] >= 0.25 for x in many)
+        out["post_le_1us_per_descriptor_at_65536"] = all(
+            x["post_us_per_descriptor"] <= 1.0 for x in top)
+    else:
+        big = [x for x in rows if x["descriptor_bytes"] >= MiB]
+        out["ratio_ge_0.7_for_blocks_ge_1MiB"] = all(x["ratio"] >= 0.7 for x in big)
+    return out
+
+
+class _Arrays:
+    """The few array operations the bench needs, on numpy (cpu) or torch (cuda)."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        if device == "cuda":
+            import torch
+
+            self.torch = torch
+            if not torch.cuda.is_available():
+                raise SystemExit("bench nixl --device cuda: no CUDA device visible")
+
+    def zeros(self, n: int):
+        if self.device == "cuda":
+            return self.torch.zeros(n, dtype=self.torch.uint8, device="cuda:0")
+        return np.zeros(n, dtype=np.uint8)
+
+    def pattern(self, fn, seed: int, n: int):
+        if self.device == "cuda":
+            return fn(seed, n, self.torch, "cuda:0").clone()
+        return fn(seed, n).copy()
+
+    def clear(self, a) -> None:
+        if self.device == "cuda":
+            a.zero_()
+            self.torch.cuda.synchronize()
+        else:
+            a.fill(0)
+
+    def copy(self, dst, src) -> float:
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            self.torch.cuda.synchronize()
+            return time.perf_counter() - t0
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        return time.perf_counter() - t0
+
+    def verify(self, dst, src, views, order: np.ndarray) -> bool:
+        if self.device == "cuda":
+            idx = self.torch.as_tensor(order, device="cuda:0")
+            for v in views:
+                size = v.num_blocks * v.block_bytes
+                got = dst[v.offset:v.offset + size].view(v.num_blocks, v.block_bytes)
+                want = src[v.offset:v.offset + size].view(v.num_blocks, v.block_bytes)
+                if not self.torch.equal(got, want.index_select(0, idx)):
+                    return False
+            return True
+        for v in views:
+            size = v.num_blocks * v.block_bytes
+            got = dst[v.offset:v.offset + size].reshape(v.num_blocks, v.block_bytes)
+            want = src[v.offset:v.offset + size].reshape(v.num_blocks, v.block_bytes)
+            if not np.array_equal(got, want[order]):
+                return False
+        return True
+
+    def machine(self) -> str:
+        cpu = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.node()}"
+        if self.device == "cuda":
+            return f"{self.torch.cuda.get_device_name(0)}; {cpu}"
+        return cpu
+
+
+def main(argv: list[str] | None = None) -> int:
+    import orjson
+
+    parser = argparse.ArgumentParser(prog="python -m kvhandoff.adapters.bench.nixl",
+                                     description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    result = run(args)
+    if args.json:
+        sys.stdout.write(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        for key, value in result.items():
+            if key == "rows":
+                for row in value:
+                    print("  " + "  ".join(f"{k}={v}" for k, v in row.items() if k != "layout"))
+            else:
+                print(f"{key}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
