@@ -106,10 +106,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    # NIXL's Python logger and structlog's default both print to stdout, which
-    # belongs to the one JSON object the CLI prints after we return.
-    with contextlib.redirect_stdout(sys.stderr):
-        return _run(args)
+    # stdout belongs to the one JSON object the CLI prints after we return, but
+    # UCX (C, file descriptor 1), NIXL's Python logger and structlog's default
+    # all print there: send descriptor 1 and sys.stdout to stderr meanwhile.
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            return _run(args)
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _run(args: argparse.Namespace) -> dict:
