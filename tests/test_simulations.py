@@ -280,3 +280,19 @@ def test_check_safety_reports_a_read_in_flight_that_is_not_heartbeated():
     with pytest.raises(AssertionError, match="not heartbeated"):
         world.run(on_step=stop_heartbeating_after_cancel)
     assert seen
+
+
+def test_regression_a_request_first_heartbeated_at_admission_keeps_its_heartbeat_period():
+    # Found by Hypothesis: when the periodic round found nothing due and the next
+    # request's first heartbeat was its admission one, no timer brought the
+    # next period; a READ longer than the lease then ran with no heartbeat.
+    from kvhandoff.simulations.config import CancelPlan
+    from kvhandoff.transports.sim import ReadFaults
+
+    cfg = build("steady_state", 3387)
+    cfg.tp, cfg.prefix_hit, cfg.cancel = 1, 0.5, CancelPlan()
+    cfg.read_faults = ReadFaults(slow=1.0, slow_s=(0.0, 2.0 * cfg.lease_s))
+    cfg.stall, cfg.stall_s = 0.25, (0.0, cfg.heartbeat_s)
+    world = World(cfg)
+    result = world.run(on_step=World.check_safety)
+    assert result.metrics["freed_under_read"] == result.metrics["lease_expiries"] == 0
