@@ -97,6 +97,7 @@ class DecodeEngine:
         self.reading: dict[str, Import] = {}
         self.handles: dict[tuple[int, int], tuple[str, int]] = {}
         self.urgent: dict[str, None] = {}  # heartbeat at the end of this step
+        self.tokens: dict[str, str] = {}  # each request's release token, from its params
         self.next_heartbeat = 0.0
         self.served = self.served_corrupt = self.malformed = 0
         self.loop = EngineLoop(self.clock, rng, self._step, cfg.d_step_s, cfg.step_jitter,
@@ -156,8 +157,10 @@ class DecodeEngine:
                                sent_at=msg.sent_at, time_left=left)
 
     def _release(self, rid: str, ranks) -> None:
+        token = self.tokens.get(rid, "")
         for rank in ranks:
-            self.agents[rank].send_notif(self.peers[rank], encode(Release(rid, self.name, rank)))
+            self.agents[rank].send_notif(self.peers[rank],
+                                         encode(Release(rid, self.name, rank, token)))
 
     def _finish_without_reads(self, imp_req: SimRequest, rid: str, outcome: str, now: float) -> None:
         self.ledger.record(ReleaseSent, rid, now, notify_only=True)
@@ -179,6 +182,7 @@ class DecodeEngine:
     def _admit(self, req: SimRequest, params: TransferParams, now: float) -> None:
         cfg = self.cfg
         rid = params.request_id
+        self.tokens[rid] = params.token
         self.ledger.record(Admitted, rid, now, remote_engine=params.remote_engine,
                            remote_ranks=tuple(range(cfg.tp)), num_blocks=params.num_blocks,
                            lease_s=cfg.lease_s, lease_margin_s=cfg.margin_s,
@@ -213,8 +217,9 @@ class DecodeEngine:
             self.ledger.record(ReadsPosted, rid, now, split_ranks=tuple(range(tp)))
             self.reading[rid] = imp
             read = ReadRequest(runs=coalesce(imp.remote_ids, local))
+            params_token = imp.params.token
             for rank, agent in enumerate(self.agents):
-                release = encode(Release(rid, self.name, rank))
+                release = encode(Release(rid, self.name, rank, params_token))
                 try:
                     handle = agent.post_read(self.peers[rank], read, release)
                 except TransportError as e:
@@ -300,8 +305,10 @@ class DecodeEngine:
             return
         for rid in due:
             self.ledger.record(HeartbeatSent, rid, now)
+        tokens = tuple(self.tokens.get(rid, "") for rid in due)
         for rank, agent in enumerate(self.agents):
-            agent.send_notif(self.peers[rank], encode(Heartbeat(self.name, rank, now, tuple(due))))
+            agent.send_notif(self.peers[rank],
+                             encode(Heartbeat(self.name, rank, now, tuple(due), tokens)))
         # Whatever made us send, these requests are due again at the next period.
         # (Arming only after periodic rounds lost the period of a request whose
         # first heartbeat was its admission one: found by Hypothesis.)

@@ -30,7 +30,7 @@ from kvhandoff.core.events import (
     Stream,
 )
 from kvhandoff.core.ledger import Ledger
-from kvhandoff.core.lifecycle import LifecycleState, ProducerRecord, PState
+from kvhandoff.core.lifecycle import LifecycleState, PState
 from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Release, decode, encode
 from kvhandoff.core.policy import expired_leases, lease_time_left, to_free
 from kvhandoff.simulations import kv
@@ -65,6 +65,7 @@ class TransferParams:
     remote_ranks: tuple[int, ...]
     block_ids: list
     num_blocks: int
+    token: str = ""  # the release capability P minted for this request
 
 
 class PrefillEngine:
@@ -98,6 +99,7 @@ class PrefillEngine:
         # deadline; ``_nearest`` is the earliest lease deadline.
         self._changed = False
         self._nearest = float("inf")
+        self.rng = rng
         self.loop = EngineLoop(self.clock, rng, self._step, cfg.p_step_s, cfg.step_jitter,
                                cfg.p_stall, cfg.p_stall_s)
 
@@ -141,13 +143,15 @@ class PrefillEngine:
             self._changed = True
         for req in self.prefilled:
             ids = self.blocks[req.rid]
+            # Only the engine that receives the transfer parameters can release.
+            token = f"{self.rng.getrandbits(64):016x}"
             for rank, ledger in enumerate(self.ledgers):
                 for region, rows in enumerate(self.words[rank]):
                     kv.write(rows, ids, req.serial, rank, region)
                 ledger.record(Exported, req.rid, now, lease_s=cfg.lease_s, consumer_ranks=(rank,),
-                              num_blocks=len(ids))
+                              num_blocks=len(ids), token=token)
             self.on_exported(req, TransferParams(req.rid, self.name, tuple(range(cfg.tp)),
-                                                 list(ids), len(ids)))
+                                                 list(ids), len(ids), token))
         self.prefilled.clear()
         freed = self._reap(now)
         while self.queue:
@@ -175,24 +179,19 @@ class PrefillEngine:
         self._changed = True
         if isinstance(msg, Release):
             ledger.record(ReleaseNotified, msg.request_id, now, from_engine=msg.engine,
-                          consumer_rank=msg.rank)
+                          consumer_rank=msg.rank, token=msg.token)
         elif isinstance(msg, Heartbeat):
             left = {}
             stream = self.streams[rank]
-            for rid in msg.request_ids:
-                ledger.record(HeartbeatReceived, rid, now, from_engine=msg.engine)
-                left[rid] = self._time_left(stream, rid, msg.engine, now)
+            for i, rid in enumerate(msg.request_ids):
+                token = msg.token_of(i)
+                ledger.record(HeartbeatReceived, rid, now, from_engine=msg.engine, token=token)
+                left[rid] = lease_time_left(self.state, stream, rid, now, engine=msg.engine,
+                                            token=token)
             ack = HeartbeatAck(self.name, rank, msg.sent_at, left)
             self.agents[rank].send_notif(peer, encode(ack))
         else:
             self.malformed += 1  # P never expects an acknowledgement
-
-    def _time_left(self, stream: Stream, rid: str, asker: str, now: float) -> float:
-        # A lease bound to another consumer is not the asker's: "gone" for it.
-        rec = self.state.record(stream, rid)
-        if isinstance(rec, ProducerRecord) and rec.consumer and rec.consumer != asker:
-            return -1.0
-        return lease_time_left(self.state, stream, rid, now)
 
     def _reap(self, now: float) -> int:
         if now >= self._nearest:

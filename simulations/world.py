@@ -210,14 +210,14 @@ class World:
         elif how == 2:
             ids.append(ids[0])  # a duplicate block
             return TransferParams(params.request_id, params.remote_engine, params.remote_ranks,
-                                  ids, len(ids))
+                                  ids, len(ids), params.token)
         elif how == 3:
             ids[0] = str(ids[0])  # a wrong type from a hostile client
         else:
             return TransferParams(params.request_id, params.remote_engine,
-                                  params.remote_ranks, ids, len(ids) + 1)
+                                  params.remote_ranks, ids, len(ids) + 1, params.token)
         return TransferParams(params.request_id, params.remote_engine, params.remote_ranks,
-                              ids, params.num_blocks)
+                              ids, params.num_blocks, params.token)
 
     def _stray_release(self, rid: str) -> None:
         if self.stray is None or self.p.loop.dead:
