@@ -20,7 +20,7 @@ class Admit:
     params: dict[str, Any] | None
     error: str
     num_prompt_tokens: int
-    identity: tuple[str, str, str, int] | None = None  # (engine, request, host, port) if readable
+    identity: tuple[str, str, str, int, str] | None = None  # (engine, request, host, port, token)
 
 
 @dataclass(slots=True)
@@ -42,6 +42,7 @@ class Export:
 
     request_id: str
     num_blocks: int
+    token: str = ""
 
 
 def _new_list() -> list:

@@ -37,6 +37,7 @@ class RemotePrefill:
     num_tokens: int
     lease_s: float
     debug_read_delay_s: float = 0.0  # honoured only where D enables debug_read_delay_param
+    token: str = ""  # P's release capability: heartbeats and releases must carry it
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -45,7 +46,7 @@ class RemotePrefill:
             "remote_host": self.host, "remote_port": self.port, "tp_size": self.tp_size,
             "pp_size": 1, "dcp_size": 1, "remote_block_ids": [list(self.block_ids)],
             "remote_num_tokens": self.num_tokens, "lease_s": self.lease_s,
-            DEBUG_DELAY_KEY: self.debug_read_delay_s,
+            DEBUG_DELAY_KEY: self.debug_read_delay_s, "release_token": self.token,
         }
 
 
@@ -116,12 +117,16 @@ def parse_remote_prefill(params: Any, max_block_id: int = 1 << 31) -> RemotePref
     delay = params.get(DEBUG_DELAY_KEY, 0.0)
     if isinstance(delay, bool) or not isinstance(delay, int | float) or not 0 <= delay <= 600:
         raise MalformedTransferParams(f"kv_transfer_params[{DEBUG_DELAY_KEY!r}]: expected 0..600, found {delay!r}")
+    token = params.get("release_token", "")
+    if not isinstance(token, str) or len(token) > 128:
+        raise MalformedTransferParams("kv_transfer_params['release_token']: expected a string "
+                                      f"of at most 128 characters, found {type(token).__name__}")
     return RemotePrefill(engine, rid, host, port, tp, tuple(ids), num_tokens, float(lease),
-                         float(delay))
+                         float(delay), token)
 
 
-def parse_identity(params: Any) -> tuple[str, str, str, int] | None:
-    """(engine, request id, host, port) when those fields alone are well-formed.
+def parse_identity(params: Any) -> tuple[str, str, str, int, str] | None:
+    """(engine, request id, host, port, token) when those fields alone are well-formed.
 
     Lets D tell the right P to free a request whose other fields are bad.
     """
@@ -132,6 +137,9 @@ def parse_identity(params: Any) -> tuple[str, str, str, int] | None:
         port = _get(params, "remote_port", int)
     except (MalformedTransferParams, TypeError, AttributeError):
         return None
+    token = params.get("release_token", "")
     if not (engine and rid and host) or max(len(engine), len(rid), len(host)) > 256:
         return None
-    return (engine, rid, host, port) if 0 < port < 65536 else None
+    if not isinstance(token, str) or len(token) > 128:
+        return None
+    return (engine, rid, host, port, token) if 0 < port < 65536 else None

@@ -16,6 +16,7 @@ does); it answers vLLM's questions from the request's own state:
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,7 +132,10 @@ class HandoffScheduler:
                                       RequestStatus.FINISHED_STOPPED)
             blocks = list(block_ids[0]) if block_ids else []
             if done and blocks:
-                self._plan.exports.append(Export(rid, len(blocks)))
+                # The release token makes the lease a capability: only an
+                # engine holding these params can extend or release it.
+                token = secrets.token_hex(16)
+                self._plan.exports.append(Export(rid, len(blocks), token))
                 return True, {
                     "do_remote_prefill": True, "do_remote_decode": False, "protocol": PROTOCOL,
                     "remote_engine_id": self.engine_id, "remote_request_id": rid,
@@ -139,6 +143,7 @@ class HandoffScheduler:
                     "remote_port": self.cfg.side_channel_port, "tp_size": self.tp_size,
                     "pp_size": 1, "dcp_size": 1, "remote_block_ids": [blocks],
                     "remote_num_tokens": request.num_computed_tokens, "lease_s": self.cfg.lease_s,
+                    "release_token": token,
                 }
             if started:
                 self._plan.aborted.append(rid)

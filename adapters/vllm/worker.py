@@ -71,7 +71,14 @@ from kvhandoff.core.events import (
     Validated,
 )
 from kvhandoff.core.ledger import Ledger
-from kvhandoff.core.lifecycle import ConsumerRecord, DState, LifecycleState, ProducerRecord, PState
+from kvhandoff.core.lifecycle import (
+    ConsumerRecord,
+    DState,
+    LifecycleState,
+    ProducerRecord,
+    PState,
+    prune_terminal,
+)
 from kvhandoff.core.log import LogWriter
 from kvhandoff.core.planning import coalesce
 from kvhandoff.core.policy import (
@@ -122,7 +129,8 @@ class HandoffWorker:
         Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
         self.log_path = str(Path(cfg.log_dir) / f"{engine_id}.{side.value}{rank}.jsonl")
         self.writer = LogWriter(self.log_path)
-        self.state = LifecycleState(retain_terminal=False)
+        self.state = LifecycleState()
+        self._last_prune = 0.0
         self.ledger = Ledger(self.stream, self.state, sink=self.writer)
         self.lock = threading.RLock()
         self.compat = dict(compat)
@@ -270,7 +278,7 @@ class HandoffWorker:
                 self._p_heartbeat(note.peer, msg, now, now)
             elif isinstance(msg, messages.Release):
                 self._record(ReleaseNotified, msg.request_id, now, from_engine=msg.engine,
-                             consumer_rank=msg.rank)
+                             consumer_rank=msg.rank, token=msg.token)
             else:
                 self._count("notifications_ignored")
 
@@ -284,16 +292,20 @@ class HandoffWorker:
                         and rec.state is PState.PREFILLING)
         if waiting and now - since < self.cfg.lease_s:
             self._deferred.append((since, peer, messages.Heartbeat(
-                msg.engine, msg.rank, msg.sent_at, waiting)))
+                msg.engine, msg.rank, msg.sent_at, waiting,
+                tuple(msg.token_of(msg.request_ids.index(r)) for r in waiting) if msg.tokens else ())))
         left: dict[str, float] = {}
-        for rid in msg.request_ids:
+        for i, rid in enumerate(msg.request_ids):
             if rid in waiting and now - since < self.cfg.lease_s:
                 continue
+            token = msg.token_of(i)
             rec = self._rec(rid)
-            if isinstance(rec, ProducerRecord) and rec.state is PState.EXPORTED:
+            if (isinstance(rec, ProducerRecord) and rec.state is PState.EXPORTED
+                    and (not rec.token or rec.token == token)):
                 self._count("leases_extended")
-            self._record(HeartbeatReceived, rid, now, from_engine=msg.engine)
-            left[rid] = lease_time_left(self.state, self.stream, rid, now)
+            self._record(HeartbeatReceived, rid, now, from_engine=msg.engine, token=token)
+            left[rid] = lease_time_left(self.state, self.stream, rid, now, engine=msg.engine,
+                                        token=token)
         if not left:
             return
         ack = messages.HeartbeatAck(self.engine_id, self.rank, msg.sent_at, left)
@@ -309,7 +321,8 @@ class HandoffWorker:
                 self._record(PrefillStarted, rid, now)
             for ex in plan.exports:
                 if self._record(Exported, ex.request_id, now, lease_s=self.cfg.lease_s,
-                                consumer_ranks=(self.rank,), num_blocks=ex.num_blocks):
+                                consumer_ranks=(self.rank,), num_blocks=ex.num_blocks,
+                                token=ex.token):
                     self._count("leases_exported")
             for rid in plan.aborted:
                 if self._record(Aborted, rid, now, reason="finished on P before export"):
@@ -367,8 +380,9 @@ class HandoffWorker:
             if a.error:
                 # Bad fields but a readable identity: admit, then reject, so
                 # the right P hears a notify-only release and frees at once.
-                engine, prid, host, port = a.identity
-                remote = RemotePrefill(engine, prid, host, port, 0, (), 0, self.cfg.lease_s)
+                engine, prid, host, port, token = a.identity
+                remote = RemotePrefill(engine, prid, host, port, 0, (), 0, self.cfg.lease_s,
+                                       token=token)
             else:
                 remote = parse_remote_prefill(a.params)
             inc.remote = remote
@@ -429,7 +443,7 @@ class HandoffWorker:
         remote = inc.remote if inc else None
         peer = self._peers.get((remote.host, remote.port + self.rank)) if remote else None
         if peer is not None:
-            msg = messages.Release(rid, self.engine_id, self.rank)
+            msg = messages.Release(rid, self.engine_id, self.rank, remote.token)
             try:
                 self.transport.send_notif(peer.agent, messages.encode(msg))
             except Exception as exc:  # P gone: its lease will lapse on its own
@@ -586,7 +600,10 @@ class HandoffWorker:
             peer = self._peers.get((inc.remote.host, inc.remote.port + self.rank))
             if peer is None:
                 continue
-            hb = messages.Heartbeat(self.engine_id, self.rank, now, tuple(sorted(rids)))
+            ordered = tuple(sorted(rids))
+            tokens = tuple(self._token_of(r) for r in ordered)
+            hb = messages.Heartbeat(self.engine_id, self.rank, now, ordered,
+                                    tokens if any(tokens) else ())
             try:
                 self.transport.send_notif(peer.agent, messages.encode(hb))
             except Exception as exc:
@@ -598,6 +615,17 @@ class HandoffWorker:
             for rid in sorted(rids):
                 self._record(HeartbeatSent, rid, now)
                 self._fresh.discard(rid)
+
+    def _token_of(self, rid: str) -> str:
+        inc = self._incoming.get(self._by_remote.get(rid, ""))
+        return inc.remote.token if inc is not None and inc.remote is not None else ""
+
+    def _prune(self, now: float) -> None:
+        # Keep finished records one lease (late notifications get precise
+        # answers), then forget them so a long-running engine stays bounded.
+        if now - self._last_prune >= self.cfg.lease_s:
+            self._last_prune = now
+            prune_terminal(self.state, self.stream, now - 2 * self.cfg.lease_s)
 
     def _d_report(self, now: float) -> tuple[set[str], set[str]]:
         finished: set[str] = set()
@@ -654,6 +682,7 @@ class HandoffWorker:
         """``get_transfer_results``: (finished_sending, finished_recving, failed_recving)."""
         with self.lock:
             now = time.monotonic()
+            self._prune(now)
             if self.side is Side.P:
                 plan, self._pending_plan = self._pending_plan, None
                 return self._p_step(plan, now), set(), set()
