@@ -9,7 +9,8 @@ only in the two decisions the races are about:
 * ``vllm-0.32``: a faithful model of vLLM 0.32's NIXL connector
   (FIELD_NOTES.md): ``request_finished`` stops a request's heartbeat as soon
   as the client aborts, whatever its reads are doing, and D serves whatever
-  bytes its completed reads brought in.  The log still records the core's
+  bytes its completed reads brought in.  Its P mints no release token
+  (vLLM's release is ``"<req_id>:<N>"``, from whoever sends it).  The log still records the core's
   verdict (a FAILED request in the log that the model served anyway is
   exactly the bug).
 """
@@ -24,8 +25,11 @@ class DecodePolicy:
     name: str
     stop_heartbeat_on_cancel: bool
     serve_unconfirmed: bool
+    mint_tokens: bool  # P hands out a release token with the transfer parameters
 
 
-KVHANDOFF = DecodePolicy("kvhandoff", stop_heartbeat_on_cancel=False, serve_unconfirmed=False)
-VLLM_032 = DecodePolicy("vllm-0.32", stop_heartbeat_on_cancel=True, serve_unconfirmed=True)
+KVHANDOFF = DecodePolicy("kvhandoff", stop_heartbeat_on_cancel=False, serve_unconfirmed=False,
+                         mint_tokens=True)
+VLLM_032 = DecodePolicy("vllm-0.32", stop_heartbeat_on_cancel=True, serve_unconfirmed=True,
+                        mint_tokens=False)
 POLICY_BY_NAME = {p.name: p for p in (KVHANDOFF, VLLM_032)}

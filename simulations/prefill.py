@@ -70,10 +70,12 @@ class TransferParams:
 
 class PrefillEngine:
     def __init__(self, name: str, cfg: RunConfig, net: SimNetwork, rng: random.Random,
-                 sink: Callable, on_exported: Callable[[SimRequest, TransferParams], None]) -> None:
+                 sink: Callable, on_exported: Callable[[SimRequest, TransferParams], None],
+                 mint_tokens: bool = True) -> None:
         self.name, self.cfg, self.net = name, cfg, net
         self.clock = net.clock
         self.on_exported = on_exported
+        self.mint_tokens = mint_tokens
         self.agents = [net.agent(f"{name}.r{r}") for r in range(cfg.tp)]
         self.words: list[list[np.ndarray]] = []
         for agent in self.agents:
@@ -144,7 +146,7 @@ class PrefillEngine:
         for req in self.prefilled:
             ids = self.blocks[req.rid]
             # Only the engine that receives the transfer parameters can release.
-            token = f"{self.rng.getrandbits(64):016x}"
+            token = f"{self.rng.getrandbits(64):016x}" if self.mint_tokens else ""
             for rank, ledger in enumerate(self.ledgers):
                 for region, rows in enumerate(self.words[rank]):
                     kv.write(rows, ids, req.serial, rank, region)

@@ -83,7 +83,7 @@ class World:
         self.p_lines: list[bytes] = []
         self.d_lines: list[bytes] = []
         self.p = PrefillEngine("prefill-0", cfg, self.net, random.Random(sub_seed(cfg.seed, "P")),
-                               self._p_sink, self._exported)
+                               self._p_sink, self._exported, self.policy.mint_tokens)
         self.d = DecodeEngine("decode-0", cfg, self.net, random.Random(sub_seed(cfg.seed, "D")),
                               self._d_sink, self.policy, self.p.name, cfg.p_blocks,
                               self._phase, self._done)

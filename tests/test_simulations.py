@@ -90,6 +90,13 @@ def test_vllm_032_serves_freed_bytes_after_a_partition_longer_than_the_lease():
     assert new.totals["failed"] > 0
 
 
+def test_vllm_032_frees_on_a_stray_release_and_kvhandoffs_token_stops_it():
+    old = sweep(["release_from_wrong_peer"], range(20), "vllm-0.32")
+    new = sweep(["release_from_wrong_peer"], range(20), "kvhandoff")
+    assert old.totals["freed_under_read"] > 0 and old.totals["served_corrupt"] > 0
+    assert new.totals["freed_under_read"] == new.totals["served_corrupt"] == 0
+
+
 def test_vllm_032_serves_bytes_of_requests_that_reached_d_after_their_lease():
     assert sweep(["lease_expiry_boundary"], range(10), "vllm-0.32").totals["served_corrupt"] > 0
     assert sweep(["lease_expiry_boundary"], range(10), "kvhandoff").totals["served_corrupt"] == 0
