@@ -1,0 +1,182 @@
+"""The vLLM adapter's pieces without engines: params, config, side channel, scheduler half."""
+
+from __future__ import annotations
+
+import socket
+from types import SimpleNamespace
+
+import pytest
+
+from kvhandoff.adapters.vllm.config import ConnectorConfigError, HandoffConfig
+from kvhandoff.adapters.vllm.params import (
+    MalformedTransferParams,
+    RemotePrefill,
+    parse_identity,
+    parse_remote_prefill,
+)
+from kvhandoff.adapters.vllm.side_channel import (
+    HandshakeFailed,
+    PeerIncompatible,
+    SideChannelServer,
+    check_compatible,
+    handshake,
+)
+
+GOOD = RemotePrefill("P-1", "req-1", "127.0.0.1", 5600, 1, (3, 4, 5), 300, 30.0, token="t0k")
+
+
+def test_params_round_trip():
+    assert parse_remote_prefill(GOOD.to_wire()) == GOOD
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda p: p.pop("remote_block_ids"), "remote_block_ids"),
+    (lambda p: p.update(remote_port="x"), "remote_port"),
+    (lambda p: p.update(remote_port=70000), "remote_port"),
+    (lambda p: p.update(remote_block_ids=[[1, -2]]), "remote_block_ids"),
+    (lambda p: p.update(remote_block_ids=[[1, "2"]]), "remote_block_ids"),
+    (lambda p: p.update(remote_block_ids=[[1, 1]]), "duplicate"),
+    (lambda p: p.update(remote_block_ids=[[1], [2]]), "remote_block_ids"),
+    (lambda p: p.update(remote_block_ids=[[]]), "remote_block_ids"),
+    (lambda p: p.update(tp_size=True), "tp_size"),
+    (lambda p: p.update(remote_engine_id=""), "remote_engine_id"),
+    (lambda p: p.update(remote_num_tokens=0), "remote_num_tokens"),
+    (lambda p: p.update(lease_s=-1), "lease_s"),
+    (lambda p: p.update(protocol="nixl/14"), "protocol"),
+    (lambda p: p.update(release_token=7), "release_token"),
+])
+def test_malformed_params_name_the_field(mutate, field):
+    p = GOOD.to_wire()
+    mutate(p)
+    with pytest.raises(MalformedTransferParams, match=field):
+        parse_remote_prefill(p)
+
+
+def test_identity_survives_bad_block_ids_but_not_a_bad_port():
+    p = {**GOOD.to_wire(), "remote_block_ids": "nonsense"}
+    assert parse_identity(p) == ("P-1", "req-1", "127.0.0.1", 5600, "t0k")
+    assert parse_identity({**p, "remote_port": "x"}) is None
+    assert parse_identity("not a dict") is None
+
+
+def test_config_defaults_follow_the_lease():
+    c = HandoffConfig.from_extra({"lease_s": 12}, env={})
+    assert (c.lease_s, c.heartbeat_interval_s, c.lease_margin_s) == (12.0, 2.0, 1.0)
+    assert c.side_channel_port == 5600 and c.failure_policy == "fail" and c.log_dir
+    assert HandoffConfig.from_extra({}, env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "6100"}).side_channel_port == 6100
+
+
+@pytest.mark.parametrize("extra, policy, key", [
+    ({"lease": 3}, "fail", "lease"),
+    ({"lease_s": "3"}, "fail", "lease_s"),
+    ({"lease_s": 0}, "fail", "lease_s"),
+    ({"lease_s": 3, "heartbeat_interval_s": 3}, "fail", "heartbeat_interval_s"),
+    ({"failure_policy": "recompute"}, "fail", "failure_policy"),
+    ({"failure_policy": "retry"}, "retry", "failure_policy"),
+    ({"debug_read_delay_param": 1}, "fail", "debug_read_delay_param"),
+])
+def test_config_refuses_bad_values_at_start(extra, policy, key):
+    with pytest.raises(ConnectorConfigError, match=key):
+        HandoffConfig.from_extra(extra, policy, env={})
+
+
+COMPAT = {"model": "m", "dtype": "torch.float32", "cache_dtype": "torch.float32", "block_size": 128,
+          "layout": "block-major(2, 128, 128)", "num_kv_heads": 2, "head_size": 64,
+          "num_layers": 2, "tp_size": 1, "block_bytes": 131072, "num_regions": 2}
+
+
+def test_compat_mismatch_names_field_and_both_values():
+    with pytest.raises(PeerIncompatible) as e:
+        check_compatible(COMPAT, {**COMPAT, "head_size": 128}, "P-x")
+    assert e.value.expected == 64 and e.value.found == 128 and "head_size" in str(e.value)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_side_channel_handshake_swaps_metadata_and_refuses_mismatches():
+    port = _free_port()
+    seen = []
+    server = SideChannelServer("127.0.0.1", port, "P-1", 0, COMPAT,
+                               lambda hello, md: (seen.append((hello["engine_id"], md)), b"P-META")[1])
+    try:
+        hello, md = handshake("127.0.0.1", port, "D-1", 0, COMPAT, b"D-META", 5.0)
+        assert md == b"P-META" and hello["engine_id"] == "P-1" and seen == [("D-1", b"D-META")]
+        with pytest.raises(HandshakeFailed, match="block_size"):
+            handshake("127.0.0.1", port, "D-2", 0, {**COMPAT, "block_size": 16}, b"x", 5.0)
+        assert len(seen) == 1  # a refused peer is never added
+    finally:
+        server.close()
+    with pytest.raises(HandshakeFailed, match="no answer"):
+        handshake("127.0.0.1", _free_port(), "D-1", 0, COMPAT, b"x", 0.3)
+
+
+# ---- the scheduler half, with stand-ins for vLLM's request objects ----------
+
+pytest.importorskip("vllm")
+
+
+def _request(rid, prompt_len=300, params=None, status=None):
+    return SimpleNamespace(request_id=rid, kv_transfer_params=params,
+                           prompt_token_ids=list(range(prompt_len)),
+                           num_computed_tokens=prompt_len, status=status)
+
+
+def _blocks(ids):
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def _sched(producer):
+    from kvhandoff.adapters.vllm.scheduler import HandoffScheduler
+
+    return HandoffScheduler(HandoffConfig.from_extra({}, env={}), "E", producer, 128, 1)
+
+
+def test_decode_side_keeps_blocks_only_while_reads_are_in_flight():
+    s = _sched(producer=False)
+    early, inflight, drained = (_request(r, params=GOOD.to_wire()) for r in ("a", "b", "c"))
+    for r in (early, inflight, drained):
+        s.on_new_request(r)
+        assert s.get_num_new_matched_tokens(r, 0) == (300, True)
+    s.update_state_after_alloc(inflight, _blocks([7, 8, 9]), 300)
+    s.update_state_after_alloc(drained, _blocks([1, 2, 3]), 300)
+    assert s.get_num_new_matched_tokens(inflight, 0) == (0, False)  # one load per request
+    plan = s.build_plan()
+    assert [a.local_id for a in plan.admits] == ["a", "b", "c"]
+    assert [(r.local_id, r.local_block_ids) for r in plan.reads] == [("b", [[7, 8, 9]]), ("c", [[1, 2, 3]])]
+    s.update_connector_output({"c"})
+    assert s.request_finished(early, ([],)) == (False, None)  # never read: notify-only
+    assert s.request_finished(inflight, ([7, 8, 9],)) == (True, None)  # reads own the pages
+    assert s.request_finished(drained, ([1, 2, 3],)) == (False, None)
+    assert s.build_plan().cancels == ["a", "b"]
+
+
+def test_malformed_params_still_load_so_the_worker_can_fail_them():
+    s = _sched(producer=False)
+    r = _request("x", params={"do_remote_prefill": True, "remote_port": "x"})
+    s.on_new_request(r)
+    (admit,) = s.build_plan().admits
+    assert admit.params is None and "remote_" in admit.error and admit.identity is None
+    assert s.get_num_new_matched_tokens(r, 0) == (300, True)
+
+
+def test_prefill_side_exports_with_a_token_or_reports_an_abort():
+    from vllm.v1.request import RequestStatus
+
+    s = _sched(producer=True)
+    done = _request("p1", params={"do_remote_decode": True}, status=RequestStatus.FINISHED_LENGTH_CAPPED)
+    gone = _request("p2", params={"do_remote_decode": True}, status=RequestStatus.FINISHED_ABORTED)
+    for r in (done, gone):
+        s.on_new_request(r)
+        s.update_state_after_alloc(r, _blocks([1, 2, 3]), 0)
+    delay, params = s.request_finished(done, ([4, 5, 6],))
+    assert delay is True
+    parsed = parse_remote_prefill(params)
+    assert parsed.block_ids == (4, 5, 6) and parsed.engine_id == "E" and len(parsed.token) == 32
+    assert s.request_finished(gone, ([1],)) == (False, None)
+    plan = s.build_plan()
+    assert plan.prefill_started == ["p1", "p2"] and plan.aborted == ["p2"]
+    assert [(e.request_id, e.num_blocks, e.token) for e in plan.exports] == [("p1", 3, parsed.token)]
