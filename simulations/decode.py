@@ -70,6 +70,12 @@ class Import:
     splits_failed: list[int] = field(default_factory=list)
 
 
+def _stale(rec: ConsumerRecord, before: float) -> bool:
+    """Whether some P rank's last proof of the lease runs out before ``before``."""
+    proofs = rec.safe_until
+    return len(proofs) < len(rec.remote_ranks) or min(proofs.values()) < before
+
+
 class DecodeEngine:
     def __init__(self, name: str, cfg: RunConfig, net: SimNetwork, rng: random.Random,
                  sink: Callable, policy: DecodePolicy, p_name: str, p_num_blocks: int,
@@ -297,7 +303,14 @@ class DecodeEngine:
             requests = self.state.stream(self.stream).requests
             due = [rid for rid in due if not requests[rid].cancelled]
         if not periodic:
-            due = [rid for rid in due if rid in self.urgent]
+            # An urgent heartbeat (an admission, drained reads waiting for proof)
+            # also carries every due request whose proof of life is going stale:
+            # a request must not depend on periodic messages alone when those are
+            # the ones being lost (a lease died that way while urgent messages in
+            # between got through).
+            stale = now + 0.5 * self.cfg.lease_s
+            requests = self.state.stream(self.stream).requests
+            due = [rid for rid in due if rid in self.urgent or _stale(requests[rid], stale)]
         self.urgent.clear()
         if periodic:
             self.next_heartbeat = now + self.cfg.heartbeat_s
