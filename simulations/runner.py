@@ -53,6 +53,7 @@ class Summary:
     per_scenario: dict[str, dict[str, int]] = field(default_factory=dict)
     violations: list[dict] = field(default_factory=list)
     wall_s: float = 0.0
+    jobs: int = 1
     _hash: object = field(default_factory=lambda: hashlib.blake2b(digest_size=16))
 
     def add(self, result: RunResult) -> None:
@@ -87,6 +88,7 @@ class Summary:
             "log_hash": self.log_hash,
             "requests_per_s": round(self.requests / self.wall_s, 1) if self.wall_s else 0.0,
             "wall_s": round(self.wall_s, 3),
+            "jobs": self.jobs,
             "violation_count": len(self.violations),
             "violations": self.violations[:max_violations],
             "per_scenario": self.per_scenario,
@@ -136,7 +138,7 @@ def sweep(scenarios: Iterable[str], seeds: range, policy: str = "kvhandoff",
     are added in (scenario, seed) order whoever ran them.
     """
     scenarios = list(scenarios)
-    summary = Summary(policy, scenarios, (seeds.start, seeds.stop - 1))
+    summary = Summary(policy, scenarios, (seeds.start, seeds.stop - 1), jobs=jobs)
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
     tasks = [(sc, seed, policy, log_dir, replay_check) for sc in scenarios for seed in seeds]

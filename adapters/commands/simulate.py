@@ -9,6 +9,7 @@ that reproduces it.  docs/simulation.md explains the scenarios and metrics.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import orjson
@@ -58,8 +59,9 @@ def add_parser(sub) -> None:
     p.add_argument("--replay", action="store_true",
                    help="also fold each run's logs with `kvhandoff replay --check`'s checker "
                         "and report its violations")
-    p.add_argument("--jobs", type=int, default=1, metavar="N",
-                   help="worker processes (runs are independent; results do not depend on N)")
+    p.add_argument("--jobs", type=int, default=0, metavar="N",
+                   help="worker processes; 0 (default): one per core for sweeps of 64 runs or "
+                        "more. Results, log_hash included, do not depend on N")
     p.add_argument("--check", action="store_true", help="exit 1 on any violation")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
@@ -70,8 +72,12 @@ def run(args) -> int:
         for name, (what, _) in SCENARIOS.items():
             print(f"{name:32s} {what}")
         return 0
+    jobs = args.jobs
+    if jobs <= 0:
+        runs = len(args.scenario) * len(args.seeds)
+        jobs = min(os.cpu_count() or 1, 8) if runs >= 64 else 1
     summary = sweep(args.scenario, args.seeds, args.policy, log_dir=args.log_dir,
-                    jobs=max(1, args.jobs), replay_check=args.replay)
+                    jobs=jobs, replay_check=args.replay)
     result = summary.as_dict()
     if args.json:
         sys.stdout.write(orjson.dumps(result).decode() + "\n")
