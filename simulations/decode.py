@@ -175,9 +175,7 @@ class DecodeEngine:
 
     def _cancel(self, req: SimRequest, now: float) -> None:
         rec = self.state.record(self.stream, req.rid)
-        if rec is None:  # not admitted yet: it is still in the inbox
-            self.inbox = [(r, p) for r, p in self.inbox if r is not req]
-            self.on_done(req, "cancelled")  # P's lease runs out: the orphan path
+        if rec is None:  # not admitted yet: `_admit` sees ``req.cancelled`` and releases
             return
         self.ledger.record(ClientCancelled, req.rid, now)
         if rec.state is DState.CANCELLED:  # nothing was posted: release at once
@@ -193,6 +191,10 @@ class DecodeEngine:
                            remote_ranks=tuple(range(cfg.tp)), num_blocks=params.num_blocks,
                            lease_s=cfg.lease_s, lease_margin_s=cfg.margin_s,
                            local_request_id=f"local-{req.serial}")
+        if req.cancelled:  # cancelled before this step admitted it: release P at once
+            self.ledger.record(ClientCancelled, rid, now)
+            self._finish_without_reads(req, rid, "cancelled", now)
+            return
         self.on_phase(req, "admitted")
         self.urgent[rid] = None
         try:
