@@ -254,9 +254,13 @@ class DecodeEngine:
             if verdict is Verdict.PENDING:
                 peer_gone = any(self.peers[r] in lost for r in rec.split_ranks)
                 if not peer_gone and now - imp.drained_at < cfg.confirm_timeout_s:
-                    if now - imp.asked_at >= cfg.heartbeat_s or imp.asked_at < 0:
+                    # The bytes are here and wait only for P's word: ask again
+                    # well before the next period, in case a message was lost.
+                    again = cfg.heartbeat_s / 4
+                    if imp.asked_at < 0 or now - imp.asked_at >= again:
                         imp.asked_at = now
                         self.urgent[rid] = None
+                    self._arm(imp.asked_at + again)
                     self._arm(imp.drained_at + cfg.confirm_timeout_s)
                     continue
             done.append(rid)
