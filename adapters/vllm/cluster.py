@@ -182,6 +182,19 @@ class EngineHandle:
                 self.proc.wait(timeout=timeout_s)
         self.sock.close()
 
+    def freeze(self) -> None:
+        """SIGSTOP the engine (benchmarks: keep an idle pair off the CPU)."""
+        import signal
+
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        import signal
+
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
     def kill(self) -> None:
         """Crash the engine (SIGKILL): what a D restart looks like to P."""
         if self.proc.poll() is None:
@@ -243,7 +256,16 @@ class PDPair:
             self.p.add(rid, prompt, 1, {"do_remote_decode": True})
         return self.p.wait_done(rids, timeout_s)
 
+    def freeze(self) -> None:
+        for h in (self.p, self.d):
+            h.freeze()
+
+    def thaw(self) -> None:
+        for h in (self.p, self.d):
+            h.thaw()
+
     def stop(self) -> None:
+        self.thaw()
         for h in (self.d, self.p):
             try:
                 h.stop()

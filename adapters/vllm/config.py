@@ -15,7 +15,7 @@ with `ConnectorConfigError`, never discovered mid-request.
 | side_channel_host      | $VLLM_NIXL_SIDE_CHANNEL_HOST or 127.0.0.1 | P's metadata listener (advertised to D) |
 | side_channel_port      | $VLLM_NIXL_SIDE_CHANNEL_PORT or 5600 | P's listener port (+ TP rank)      |
 | handshake_timeout_s    | 5.0                 | D gives up on an unreachable P after this            |
-| notif_poll_s           | 0.002               | P's notification poll period while leases are live   |
+| notif_poll_s           | 0.0005              | P's notification poll period while leases are live   |
 | idle_poll_s            | 0.05                | P's notification poll period with no live lease      |
 | debug_read_delay_s     | 0.0                 | tests only: hold each READ's completion this long    |
 | debug_read_delay_param | false               | tests/demo only: honour a request's ``kvhandoff_debug_read_delay_s`` |
@@ -55,7 +55,7 @@ class HandoffConfig:
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 5600
     handshake_timeout_s: float = 5.0
-    notif_poll_s: float = 0.002
+    notif_poll_s: float = 0.0005
     idle_poll_s: float = 0.05
     debug_read_delay_s: float = 0.0
     debug_read_delay_param: bool = False

@@ -20,12 +20,13 @@ COUNTERS = (
 def empty() -> dict[str, Any]:
     data: dict[str, Any] = dict.fromkeys(COUNTERS, 0)
     data["read_s"] = []
+    data["read_bytes"] = []
     return data
 
 
 def merge(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     for k, v in other.items():
-        if k == "read_s":
+        if k in ("read_s", "read_bytes"):
             into.setdefault(k, []).extend(v)
         elif isinstance(v, int | float):
             into[k] = into.get(k, 0) + v
@@ -36,9 +37,11 @@ def summarize(data: dict[str, Any]) -> dict[str, int | float]:
     out: dict[str, int | float] = {k: data.get(k, 0) for k in COUNTERS}
     reads = sorted(data.get("read_s", []))
     if reads:
-        total = sum(reads)
         out["read_ms_median"] = reads[len(reads) // 2] * 1e3
-        out["read_GBps"] = data.get("bytes_read", 0) / total / 1e9 if total > 0 else 0.0
+        rates = sorted(b / s / 1e9 for b, s in zip(data.get("read_bytes", []), data["read_s"],
+                                                   strict=False) if s > 0)
+        if rates:
+            out["read_GBps_median"] = rates[len(rates) // 2]
     return out
 
 

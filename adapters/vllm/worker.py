@@ -553,8 +553,9 @@ class HandoffWorker:
                     self._record(SplitCompleted, rid, now, split=split)
                     self._count("reads_completed")
                     self._count("bytes_read", inc.bytes)
-                    self.stats["read_s"].append(now - inc.posted_at)
-                    self.total["read_s"].append(now - inc.posted_at)
+                    for bucket in (self.stats, self.total):
+                        bucket["read_s"].append(now - inc.posted_at)
+                        bucket["read_bytes"].append(inc.bytes)
                     self._urgent.add(inc.remote.engine_id)
                 else:
                     self._record(SplitFailed, rid, now, split=split, reason=reason or "read failed")
