@@ -141,18 +141,22 @@ def test_a_read_into_a_gpu_tail_and_a_host_pool_is_one_completion_with_every_byt
                 assert np.array_equal(tail[i].cpu().numpy(), src[recent])
             got = p.call("recv_notifs_until", 1, 10.0)
             assert [(n.peer, n.message) for n in got] == [(d_name, b"release:mixed")]
-            assert d.descriptors_on_wire == d.descriptors_posted
+            # The host pool went through NIXL, merged as planned; the GPU tail (VRAM to
+            # VRAM on one node) as a CUDA IPC gather.
+            assert d.descriptors_on_wire == d.descriptors_posted - d.ipc_descriptors
+            assert d.ipc_descriptors == (0 if DRY_RUN else layers)
             assert d.poll() == []
         finally:
             d.close()
 
 
-def test_a_large_shuffled_vram_read_lands_every_byte():
+@pytest.mark.parametrize("vram_ipc", [True, False], ids=["cuda-ipc", "nixl-only"])
+def test_a_large_shuffled_vram_read_lands_every_byte(vram_ipc):
     tag = _tag()
     nb, bb = 8192, 16 * 1024  # 128 MiB
     with TransportProcess(f"P-big-{tag}") as p:
         p.allocate([RegionSpec("kv", nb, bb, VRAM, 0, seed=5)])
-        d = NixlTransport(f"D-big-{tag}")
+        d = NixlTransport(f"D-big-{tag}", NixlOptions(vram_ipc=vram_ipc))
         try:
             dst = torch.zeros((nb, bb), dtype=torch.uint8, device=GPU)
             d.register([KVRegion("kv", dst, nb, bb, VRAM, 0)])
@@ -163,5 +167,6 @@ def test_a_large_shuffled_vram_read_lands_every_byte():
             assert c.ok, c.reason
             src = pattern(5, nb * bb, torch, GPU).view(nb, bb)
             assert torch.equal(dst, src[torch.as_tensor(order, device=GPU)])
+            assert d.ipc_descriptors == (nb if vram_ipc and not DRY_RUN else 0)
         finally:
             d.close()

@@ -11,6 +11,10 @@ descriptor), ``--reps`` times; every repetition's bytes are compared with
 the pattern.  The baseline is measured in the same run on the same bytes: a
 ``torch`` device-to-device copy (cuda) or a ``numpy`` copy (cpu).  Medians.
 
+On one node, VRAM-to-VRAM READs run as CUDA IPC gathers (``path:
+cuda_ipc``; see `kvhandoff.transports.nixl.cuda_ipc`); ``--no-vram-ipc``
+measures NIXL/UCX alone (``path: nixl``).
+
 Also measured: the time to register all regions (``registration_ms``, on D),
 and the CPU an idle agent burns (``idle_cpu_percent``, P and D after the
 READs), next to what NIXL's stock busy-spinning progress thread burns
@@ -101,6 +105,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="progress-thread poll timeout (default: kvhandoff's; 0: NIXL's busy-spin)")
     parser.add_argument("--threads", type=int, default=0,
                         help="UCX worker threads posting one READ (NIXL num_threads)")
+    parser.add_argument("--no-vram-ipc", action="store_true",
+                        help="send VRAM READs through NIXL/UCX even on one node (no CUDA IPC gather)")
     parser.add_argument("--idle-seconds", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=7)
 
@@ -131,7 +137,8 @@ def _run(args: argparse.Namespace) -> dict:
     kind = MemoryKind.VRAM if device == "cuda" else MemoryKind.DRAM
     defaults = NixlOptions()
     delay = defaults.progress_delay_us if args.progress_delay_us is None else args.progress_delay_us
-    options = NixlOptions(progress_delay_us=delay, num_threads=args.threads)
+    options = NixlOptions(progress_delay_us=delay, num_threads=args.threads,
+                          vram_ipc=not args.no_vram_ipc)
     layouts = LAYOUTS[device]
     views, plans = _views(layouts, payload)
     rng = np.random.default_rng(args.seed)
@@ -159,13 +166,14 @@ def _run(args: argparse.Namespace) -> dict:
                 runs = runs_array(order, np.arange(nb))
                 split = ReadSplit(runs, tuple((n, n) for n in plan["names"]))
                 moved = nb * layout.block_bytes * layout.regions
-                times, posts, verified, descs = [], [], True, 0
+                times, posts, verified, descs, path = [], [], True, 0, "nixl"
                 _read_once(d, peer, split)  # warm-up: first-touch, connection, IPC mapping
                 for _ in range(args.reps):
                     xp.clear(dst)
-                    before = d.descriptors_posted
+                    before, ipc_before = d.descriptors_posted, d.ipc_descriptors
                     elapsed, posting = _read_once(d, peer, split)
                     descs = d.descriptors_posted - before
+                    path = "cuda_ipc" if d.ipc_descriptors > ipc_before else "nixl"
                     times.append(elapsed)
                     posts.append(posting)
                     verified &= xp.verify(dst, expected, [views[i] for i in plan["index"]],
@@ -183,6 +191,7 @@ def _run(args: argparse.Namespace) -> dict:
                     "post_us_per_descriptor": round(statistics.median(posts) * 1e6 / descs, 4),
                     "read_ms_median": round(statistics.median(times) * 1e3, 3),
                     "verified": bool(verified),
+                    "path": path,
                 })
             idle_p = p.call("idle_cpu_percent", args.idle_seconds)
             idle_d = _idle_cpu_percent(args.idle_seconds)
@@ -203,7 +212,8 @@ def _run(args: argparse.Namespace) -> dict:
         "idle_cpu_percent": round(max(idle_p, idle_d), 2),
         "idle_cpu_percent_by_side": {"p": round(idle_p, 2), "d": round(idle_d, 2)},
         "idle_cpu_percent_nixl_default": round(idle_default, 2),
-        "options": {"progress_delay_us": delay, "num_threads": args.threads},
+        "options": {"progress_delay_us": delay, "num_threads": args.threads,
+                    "vram_ipc": not args.no_vram_ipc},
         "versions": _versions(),
         "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
     }

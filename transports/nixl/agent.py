@@ -63,7 +63,9 @@ class NixlOptions:
     descriptors in parallel (0: post from the caller's thread).
     ``ucx_defaults``: set `UCX_DEFAULTS` where the user has not.
     ``telemetry``: NIXL per-transfer telemetry (descriptor counts after
-    merging; costs a little per transfer).
+    merging; costs a little per transfer).  ``vram_ipc``: VRAM-to-VRAM READs
+    between agents on one node run as CUDA IPC gather kernels instead of one
+    UCX GET per descriptor (see `cuda_ipc`); off: everything goes through NIXL.
     """
 
     backends: tuple[str, ...] = ("UCX",)
@@ -71,6 +73,7 @@ class NixlOptions:
     num_threads: int = 0
     ucx_defaults: bool = True
     telemetry: bool = False
+    vram_ipc: bool = True
 
     def __post_init__(self) -> None:
         if self.progress_delay_us < 0:

@@ -7,7 +7,8 @@ so they can never disagree::
 
     b"KVHNIXL1" | u32 header length | header (JSON) | NIXL agent metadata
 
-The header carries the agent name, an ``instance`` id (new each time an
+The header carries the agent name, the CUDA IPC handles of its VRAM
+allocations when it exports them (``ipc``, see `cuda_ipc`), an ``instance`` id (new each time an
 agent starts, so a restarted peer is recognised) and a ``generation``
 (bumped by every `register`, so metadata taken before a registration is
 recognised as older than metadata taken after it).
@@ -52,14 +53,16 @@ class PeerMetadata:
     generation: int
     regions: tuple[RemoteRegion, ...]
     nixl: bytes
+    ipc: dict | None = None  # {"node": boot id, "allocations": [[dev, base, size, hex]]}
 
 
 def encode(agent: str, instance: str, generation: int, placements: Sequence[Placement],
-           nixl_metadata: bytes) -> bytes:
+           nixl_metadata: bytes, ipc: dict | None = None) -> bytes:
     header = orjson.dumps({
         "agent": agent,
         "instance": instance,
         "generation": generation,
+        "ipc": ipc,
         "regions": [[p.name, p.kind.value, p.device, p.addr, p.block_bytes, p.num_blocks]
                     for p in placements],
     })
@@ -83,7 +86,10 @@ def decode(blob: bytes) -> PeerMetadata:
         regions = tuple(
             RemoteRegion(str(name), MemoryKind(kind), int(dev), int(addr), int(bb), int(nb))
             for name, kind, dev, addr, bb, nb in h["regions"])
+        ipc = h.get("ipc")
+        if ipc is not None and not isinstance(ipc, dict):
+            raise TypeError(f"ipc: expected an object, found {type(ipc).__name__}")
         return PeerMetadata(str(h["agent"]), str(h["instance"]), int(h["generation"]),
-                            regions, blob[start + n:])
+                            regions, blob[start + n:], ipc)
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise MetadataUnreadable(f"unreadable header: {exc}") from None
