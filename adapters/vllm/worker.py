@@ -82,9 +82,11 @@ from kvhandoff.core.lifecycle import (
 from kvhandoff.core.log import LogWriter
 from kvhandoff.core.planning import coalesce
 from kvhandoff.core.policy import (
+    Verdict,
     expired_leases,
     heartbeat_due,
     lease_time_left,
+    read_verdict,
     reads_to_report,
     to_free,
 )
@@ -154,6 +156,7 @@ class HandoffWorker:
         self._last_hb: dict[str, float] = {}
         self._fresh: set[str] = set()  # admitted, not heartbeated yet
         self._urgent: set[str] = set()  # engines whose ack we need now
+        self._reasked: set[str] = set()  # engines asked again for an overdue ack
         log.info("vllm.worker.started", engine=engine_id, side=side.value, rank=rank,
                  event_log=self.log_path)
 
@@ -588,11 +591,29 @@ class HandoffWorker:
                 else:
                     self._count("notifications_ignored")
 
+    def _awaiting_word(self) -> set[str]:
+        """P engines owing an answer: a request's reads drained, the verdict still PENDING."""
+        out: set[str] = set()
+        ss = self.state.streams.get(self.stream)
+        for rid, rec in (ss.requests.items() if ss else ()):
+            if (isinstance(rec, ConsumerRecord)
+                    and rec.state in (DState.READING, DState.CANCELLED_READING)
+                    and rec.split_done and all(d is not None for d in rec.split_done)
+                    and read_verdict(self.state, self.stream, rid) is Verdict.PENDING):
+                out.add(rec.remote_engine)
+        return out
+
     def _d_heartbeats(self, now: float) -> None:
+        waiting = self._awaiting_word() if self._urgent or self._reasked else set()
+        self._reasked &= waiting
         for engine, rids in sorted(heartbeat_due(self.state, self.stream).items()):
-            due = now - self._last_hb.get(engine, -math.inf) >= self.cfg.heartbeat_interval_s
+            since = now - self._last_hb.get(engine, -math.inf)
+            due = since >= self.cfg.heartbeat_interval_s
             fresh = any(r in self._fresh for r in rids)
-            urgent = engine in self._urgent and now - self._last_hb.get(engine, -math.inf) >= 0.005
+            # Reads drained but unconfirmed: ask at once, then every quarter
+            # interval (an acknowledgement can be lost like any notification).
+            urgent = engine in waiting and since >= (
+                self.cfg.heartbeat_interval_s / 4 if engine in self._reasked else 0.005)
             if not (due or fresh or urgent):
                 continue
             inc = self._incoming.get(self._by_remote.get(rids[0], ""))
@@ -611,6 +632,8 @@ class HandoffWorker:
                 log.warning("vllm.worker.heartbeat_failed", producer=engine, error=str(exc))
                 continue
             self._last_hb[engine] = now
+            if urgent:
+                self._reasked.add(engine)
             self._urgent.discard(engine)
             self._count("heartbeats_sent")
             for rid in sorted(rids):
