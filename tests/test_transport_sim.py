@@ -3,7 +3,9 @@
 The sim's own promises are the ones the simulations rely on: it is
 deterministic per seed, it never reads the wall clock, its faults do what
 they say (drop, duplicate, delay, reorder, fail, slow, partition, crash), and
-its block pool makes a read of freed memory visible in the bytes.
+its block pool makes a read of freed memory visible in the bytes.  A
+Hypothesis state machine then mixes all of them at random and checks that
+every READ completes exactly once with the right bytes.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvhandoff.core.planning import BlockRun, coalesce
 from kvhandoff.transports.base import ReadRequest, Transport
@@ -330,3 +334,108 @@ def test_freeing_destination_pages_under_a_read_is_counted_separately():
     dst_pool.free(ids)
     assert net.stats.overwritten_under_read == 1
     assert net.stats.freed_under_read == 0
+
+
+# --- a stateful model: whatever the faults, the sim keeps its promises -------------
+
+N_BLOCKS = 16
+
+
+class SimTransportMachine(RuleBasedStateMachine):
+    """Drives a P/D pair with random READs, notifications, faults, partitions and a
+    crash, next to a small reference model of what must hold."""
+
+    @initialize(seed=st.integers(0, 2**16))
+    def start(self, seed):
+        self.net, self.p, self.d, self.p_rows, self.d_rows = connected(seed=seed,
+                                                                     num_blocks=N_BLOCKS)
+        self.posted: dict[int, tuple[list[int], list[int]]] = {}
+        self.completed: dict[int, bool] = {}
+        self.busy_local: set[int] = set()
+        self.sent: dict[bytes, int] = {}
+        self.received: dict[bytes, int] = {}
+        self.read_notifs: set[bytes] = set()
+        self.p_dead = False
+
+    @rule(data=st.data())
+    def post_read(self, data):
+        free_local = [b for b in range(N_BLOCKS) if b not in self.busy_local]
+        if not free_local:
+            return
+        n = data.draw(st.integers(1, min(4, len(free_local))))
+        local = data.draw(st.permutations(free_local))[:n]
+        remote = data.draw(st.permutations(range(N_BLOCKS)))[:n]
+        notif = f"rel:{len(self.posted)}".encode()
+        h = self.d.post_read("P0", ReadRequest(runs=coalesce(remote, local)), notif)
+        assert h not in self.posted
+        self.posted[h] = (remote, local)
+        self.busy_local.update(local)
+        self.read_notifs.add(notif)
+
+    @rule(i=st.integers(0, 999))
+    def send(self, i):
+        msg = f"hb:{i}".encode()
+        self.d.send_notif("P0", msg)
+        self.sent[msg] = self.sent.get(msg, 0) + 1
+
+    @rule(drop=st.floats(0, 0.5), dup=st.floats(0, 0.5), reorder=st.floats(0, 1))
+    def notification_faults(self, drop, dup, reorder):
+        self.net.set_notif_faults(NotifFaults(drop=drop, duplicate=dup, reorder=reorder))
+
+    @rule(fail=st.floats(0, 0.5), slow=st.floats(0, 1))
+    def read_faults(self, fail, slow):
+        self.net.read_faults = ReadFaults(fail=fail, slow=slow, slow_s=(0.0, 0.5))
+
+    @rule(length=st.floats(0.01, 2.0))
+    def partition(self, length):
+        now = self.net.clock.now
+        self.net.partition("P0", "D0", now, now + length)
+
+    @precondition(lambda self: not self.p_dead)
+    @rule()
+    def crash_p(self):
+        self.net.crash("P0")
+        self.p_dead = True
+
+    @rule(dt=st.floats(1e-6, 1.0))
+    def advance(self, dt):
+        self.net.clock.run_until(self.net.clock.now + dt)
+        self._collect()
+
+    def _collect(self):
+        for c in self.d.poll():
+            assert c.handle in self.posted, "a completion for a READ nobody posted"
+            assert c.handle not in self.completed, f"handle {c.handle} completed twice"
+            self.completed[c.handle] = c.ok
+            remote, local = self.posted[c.handle]
+            if c.ok:
+                assert np.array_equal(self.d_rows[local], self.p_rows[remote])
+            else:
+                assert c.reason
+            self.busy_local.difference_update(local)
+        if not self.p_dead:
+            for n in self.p.recv_notifs():
+                assert n.peer == "D0"
+                self.received[n.message] = self.received.get(n.message, 0) + 1
+
+    @invariant()
+    def nothing_is_invented(self):
+        if not hasattr(self, "received"):
+            return
+        for msg, count in self.received.items():
+            limit = 2 * self.sent.get(msg, 0) or (2 if msg in self.read_notifs else 0)
+            assert count <= limit, f"{msg!r} arrived {count} times"
+
+    def teardown(self):
+        if not hasattr(self, "net"):
+            return
+        self.net.heal_all()
+        self.net.clock.run_until(self.net.clock.now + 200.0)
+        self._collect()
+        # Liveness: every READ completed exactly once, whatever happened.
+        assert sorted(self.completed) == sorted(self.posted)
+        if self.p_dead:
+            assert self.d.lost_peers() == ["P0"]
+
+
+TestSimTransportStateful = SimTransportMachine.TestCase
