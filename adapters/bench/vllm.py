@@ -27,6 +27,7 @@ import datetime as dt
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -73,7 +74,16 @@ def _idle_cpu(handles: list[EngineHandle], seconds: float) -> dict[str, float]:
     return {h.name: round(100.0 * (h.cpu_seconds() - start[h.name]) / wall, 1) for h in handles}
 
 
+def _logs_to_stderr() -> None:
+    """stdout carries the --json object: route structlog to stderr unless the app chose."""
+    import structlog
+
+    if not structlog.is_configured():
+        structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    _logs_to_stderr()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvhandoff-bench-vllm-"))
     model = write_tiny_llama(workdir / "model")
     pairs = {c: PDPair(PDConfig(model_dir=str(model), connector=c, workdir=str(workdir / c), tag=c))

@@ -55,10 +55,20 @@ def _print_human(s: dict[str, Any], console: Any) -> None:
     console.print(f"  replay them: {s['replay_command']}")
 
 
+def _logs_to_stderr() -> None:
+    """stdout carries the --json object: route structlog to stderr unless the app chose."""
+    import structlog
+
+    if not structlog.is_configured():
+        structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from kvhandoff.adapters.vllm.demo import DemoOptions, demo_ok, run_demo
+
+    _logs_to_stderr()
 
     console = Console(stderr=bool(args.json))
     opts = DemoOptions(requests=args.requests, cancel=args.cancel,

@@ -123,7 +123,14 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        return None
+        # Block-major per layer (layer, block, head, token, K|V): one block of
+        # one layer is one contiguous run of bytes, so a READ of N adjacent
+        # blocks is one descriptor per layer.  vLLM's NixlConnector asks for
+        # the same; the CPU backend only has this layout.
+        model = vllm_config.model_config
+        if model is not None and getattr(model, "use_mla", False):
+            return None
+        return "LBHNC"
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
