@@ -271,6 +271,14 @@ def test_regions_sharing_one_allocation_are_registered_once():
         ["first", "layer0", "layer1", "second"], ["other"]]
 
 
+def test_cuda_ipc_handles_survive_the_trip_through_metadata_bytes():
+    from kvhandoff.transports.nixl.cuda_ipc import handle_from_hex, handle_to_hex
+
+    raw = bytes([0, 7, 0, 0, 255] + [0] * 50 + list(range(9)))  # NULs anywhere
+    assert len(raw) == 64
+    assert handle_to_hex(handle_from_hex(raw.hex())) == raw.hex()
+
+
 def test_ucx_defaults_are_set_unless_the_user_set_them():
     env = {"UCX_CUDA_IPC_ENABLE_SAME_PROCESS": "n"}
     with capture_logs() as logs:

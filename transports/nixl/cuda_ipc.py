@@ -42,7 +42,20 @@ class CudaIpcError(RuntimeError):
 
 
 class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
+    # c_ubyte, not c_char: a c_char array reads back as a C string, cut at the
+    # first NUL byte, and IPC handles are full of them.
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
+
+
+def handle_to_hex(handle: _IpcHandle) -> str:
+    return bytes(handle.reserved).hex()
+
+
+def handle_from_hex(text: str) -> _IpcHandle:
+    raw = bytes.fromhex(text)
+    if len(raw) != 64:
+        raise CudaIpcError(f"IPC handle: expected 64 bytes, found {len(raw)}")
+    return _IpcHandle.from_buffer_copy(raw)
 
 
 @cache
@@ -109,8 +122,7 @@ def export(spans: Sequence[tuple[int, int]]) -> list[list]:
         except (OSError, CudaIpcError) as exc:
             log.info("nixl.cuda_ipc_export_skipped", device=device, addr=addr, error=str(exc))
             continue
-        out[(device, base.value)] = [device, base.value, size.value,
-                                     bytes(handle.reserved).hex()]
+        out[(device, base.value)] = [device, base.value, size.value, handle_to_hex(handle)]
     return list(out.values())
 
 
@@ -129,8 +141,7 @@ class PeerMemory:
         self._maps: list[_Mapping] = []
         try:
             for device, base, size, handle_hex in allocations:
-                handle = _IpcHandle()
-                handle.reserved = bytes.fromhex(handle_hex)
+                handle = handle_from_hex(handle_hex)
                 ptr = ctypes.c_uint64()
                 with _current(int(device)):
                     _check(_driver().open_ipc(ctypes.byref(ptr), handle,
