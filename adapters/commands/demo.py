@@ -14,6 +14,13 @@ from typing import Any
 
 import orjson
 
+DESCRIPTION = (
+    "Write a tiny seeded Llama, start a prefill and a decode vLLM engine with "
+    "KVHandoffConnector over NIXL host memory, send a batch P -> D (some cancelled "
+    "mid-read, one with malformed transfer parameters), check the tokens against a "
+    "single-engine reference, replay both event logs with the invariant check. "
+    "Exit 0 when all of that holds.")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -28,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("demo", help="a real P/D hand-off inside two vLLM engines (CPU)",
-                              description=__doc__)
+                              description=DESCRIPTION)
     add_arguments(p)
     p.set_defaults(func=run)
     return p
@@ -87,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvhandoff demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvhandoff demo", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
