@@ -251,7 +251,9 @@ class DecodeEngine:
             if imp.drained_at is None:
                 imp.drained_at = now
             verdict = read_verdict_of(rec)
-            if verdict is Verdict.PENDING:
+            if verdict is Verdict.PENDING and not rec.cancelled:
+                # (A cancelled request's bytes go nowhere: no proof needed, its
+                # pages are released as soon as the reads drained.)
                 peer_gone = any(self.peers[r] in lost for r in rec.split_ranks)
                 if not peer_gone and now - imp.drained_at < cfg.confirm_timeout_s:
                     # The bytes are here and wait only for P's word: ask again
