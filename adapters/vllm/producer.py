@@ -1,0 +1,141 @@
+"""P's half of the worker: answer heartbeats, note releases, reap leases, free once.
+
+A mixin of `HandoffWorker` (which owns the ledger, the transport and the
+lock; see its module docstring).  The notification thread runs
+`_notif_loop`; the engine thread runs `_p_step` once per engine step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import structlog
+
+from kvhandoff.adapters.vllm.metadata import StepPlan
+from kvhandoff.core import messages
+from kvhandoff.core.errors import MalformedMessage
+from kvhandoff.core.events import (
+    Aborted,
+    Exported,
+    Freed,
+    HeartbeatReceived,
+    LeaseExpired,
+    PrefillStarted,
+    ReleaseNotified,
+)
+from kvhandoff.core.lifecycle import (
+    ProducerRecord,
+    PState,
+)
+from kvhandoff.core.policy import (
+    expired_leases,
+    lease_time_left,
+    to_free,
+)
+
+log = structlog.get_logger(__name__)
+
+
+class ProducerHalf:
+    def _on_hello(self, hello: dict[str, Any], metadata: bytes) -> bytes:
+        with self.lock:
+            agent = self.transport.add_peer(metadata)
+            self._d_agents[hello["engine_id"]] = agent
+            log.info("vllm.worker.consumer_connected", consumer=hello["engine_id"], agent=agent)
+            return self.transport.metadata()
+
+    def _notif_loop(self) -> None:
+        while not self._stop.is_set():
+            with self.lock:
+                try:
+                    self._p_handle_notifs(time.monotonic())
+                except Exception as exc:  # never let the thread die silently
+                    log.error("vllm.worker.notif_loop_error", error=str(exc),
+                              error_type=type(exc).__name__)
+                ss = self.state.streams.get(self.stream)
+                live = ss is not None and any(r.state in (PState.EXPORTED, PState.PREFILLING)
+                                              for r in ss.requests.values())
+            self._stop.wait(self.cfg.notif_poll_s if live else self.cfg.idle_poll_s)
+
+    def _p_handle_notifs(self, now: float) -> None:
+        deferred, self._deferred = self._deferred, []
+        for since, peer, hb in deferred:
+            self._p_heartbeat(peer, hb, now, since)
+        for note in self.transport.recv_notifs():
+            try:
+                msg = messages.decode(note.message)
+            except MalformedMessage as exc:
+                self._count("notifications_ignored")
+                log.warning("vllm.worker.malformed_notification", peer=note.peer, error=str(exc))
+                continue
+            if isinstance(msg, messages.Heartbeat):
+                self._count("heartbeats_received")
+                self._p_heartbeat(note.peer, msg, now, now)
+            elif isinstance(msg, messages.Release):
+                self._record(ReleaseNotified, msg.request_id, now, from_engine=msg.engine,
+                             consumer_rank=msg.rank, token=msg.token)
+            else:
+                self._count("notifications_ignored")
+
+    def _p_heartbeat(self, peer: str, msg: messages.Heartbeat, now: float, since: float) -> None:
+        # D may heartbeat a request before this rank has folded its export
+        # (the plan arrives with the next engine step).  Answering "gone" then
+        # would fail a good read, so those ids wait here for the export; one
+        # lease later they are answered for what they are.
+        waiting = tuple(rid for rid in msg.request_ids
+                        if isinstance(rec := self._rec(rid), ProducerRecord)
+                        and rec.state is PState.PREFILLING)
+        if waiting and now - since < self.cfg.lease_s:
+            self._deferred.append((since, peer, messages.Heartbeat(
+                msg.engine, msg.rank, msg.sent_at, waiting,
+                tuple(msg.token_of(msg.request_ids.index(r)) for r in waiting) if msg.tokens else ())))
+        left: dict[str, float] = {}
+        for i, rid in enumerate(msg.request_ids):
+            if rid in waiting and now - since < self.cfg.lease_s:
+                continue
+            token = msg.token_of(i)
+            rec = self._rec(rid)
+            if (isinstance(rec, ProducerRecord) and rec.state is PState.EXPORTED
+                    and (not rec.token or rec.token == token)):
+                self._count("leases_extended")
+            self._record(HeartbeatReceived, rid, now, from_engine=msg.engine, token=token)
+            left[rid] = lease_time_left(self.state, self.stream, rid, now, engine=msg.engine,
+                                        token=token)
+        if not left:
+            return
+        ack = messages.HeartbeatAck(self.engine_id, self.rank, msg.sent_at, left)
+        try:
+            self.transport.send_notif(peer, messages.encode(ack))
+            self._count("acks_sent")
+        except Exception as exc:
+            log.warning("vllm.worker.ack_failed", peer=peer, error=str(exc))
+
+    def _p_step(self, plan: StepPlan | None, now: float) -> set[str]:
+        if plan is not None:
+            for rid in plan.prefill_started:
+                self._record(PrefillStarted, rid, now)
+            for ex in plan.exports:
+                if self._record(Exported, ex.request_id, now, lease_s=self.cfg.lease_s,
+                                consumer_ranks=(self.rank,), num_blocks=ex.num_blocks,
+                                token=ex.token):
+                    self._count("leases_exported")
+            for rid in plan.aborted:
+                if self._record(Aborted, rid, now, reason="finished on P before export"):
+                    self._record(Freed, rid, now)  # vLLM freed these blocks itself
+        self._p_handle_notifs(now)
+        for rid in expired_leases(self.state, self.stream, now):
+            if self._record(LeaseExpired, rid, now):
+                self._count("leases_expired")
+                log.warning("vllm.worker.lease_expired", request_id=rid, lease_s=self.cfg.lease_s)
+        finished: set[str] = set()
+        for rid in to_free(self.state, self.stream):
+            rec = self._rec(rid)
+            ended = "released" if rec.state is PState.RELEASED else rec.ended
+            if self._record(Freed, rid, now):
+                self._count("frees")
+                if ended == "released":
+                    self._count("leases_released")
+                finished.add(rid)
+        return finished
+
