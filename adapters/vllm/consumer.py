@@ -378,13 +378,15 @@ class ConsumerHalf:
         due = list(reads_to_report(self.state, self.stream))
         for inc in self._incoming.values():
             # Reads drained but no acknowledgement proves P still held the
-            # source (P silent or gone): past the read timeout the verdict
-            # stays unproven and the request fails instead of waiting forever.
+            # source: a cancelled request's bytes go nowhere, so it reports at
+            # once; otherwise, past the read timeout (P silent or gone) the
+            # verdict stays unproven and the request fails instead of waiting.
             rec = self._rec(inc.remote.request_id) if inc.admitted and inc.remote else None
             if (isinstance(rec, ConsumerRecord) and not inc.handles and inc.posted_at
                     and rec.state in (DState.READING, DState.CANCELLED_READING)
                     and all(d is not None for d in rec.split_done)
-                    and now - inc.posted_at > self.cfg.read_timeout_s
+                    and (rec.state is DState.CANCELLED_READING
+                         or now - inc.posted_at > self.cfg.read_timeout_s)
                     and inc.remote.request_id not in due):
                 due.append(inc.remote.request_id)
         for rid in due:
