@@ -76,6 +76,21 @@ def _stale(rec: ConsumerRecord, before: float) -> bool:
     return len(proofs) < len(rec.remote_ranks) or min(proofs.values()) < before
 
 
+def _rank_owed(rec: ConsumerRecord, rank: int) -> bool:
+    """Whether P rank ``rank`` still needs heartbeats for this request.
+
+    Until the READs are posted, every rank does; afterwards a rank does while
+    its split is in flight, failed (its blocks wait for our explicit release)
+    or completed later than P's proof of the lease reaches.
+    """
+    if not rec.split_ranks:
+        return True
+    for r, done in zip(rec.split_ranks, rec.split_done, strict=True):
+        if r == rank and (done is None or done == "" or done > rec.safe_until.get(r, -1.0)):
+            return True
+    return False
+
+
 class DecodeEngine:
     def __init__(self, name: str, cfg: RunConfig, net: SimNetwork, rng: random.Random,
                  sink: Callable, policy: DecodePolicy, p_name: str, p_num_blocks: int,
@@ -326,10 +341,14 @@ class DecodeEngine:
             return
         for rid in due:
             self.ledger.record(HeartbeatSent, rid, now)
-        tokens = tuple(self.tokens.get(rid, "") for rid in due)
+        requests = self.state.stream(self.stream).requests
         for rank, agent in enumerate(self.agents):
-            agent.send_notif(self.peers[rank],
-                             encode(Heartbeat(self.name, rank, now, tuple(due), tokens)))
+            # A P rank whose READ already completed under proof needs no more.
+            ids = tuple(rid for rid in due if _rank_owed(requests[rid], rank))
+            if ids:
+                tokens = tuple(self.tokens.get(rid, "") for rid in ids)
+                agent.send_notif(self.peers[rank],
+                                 encode(Heartbeat(self.name, rank, now, ids, tokens)))
         # Whatever made us send, these requests are due again at the next period.
         # (Arming only after periodic rounds lost the period of a request whose
         # first heartbeat was its admission one: found by Hypothesis.)
