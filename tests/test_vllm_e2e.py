@@ -202,6 +202,20 @@ def test_malformed_params_fail_that_request_engines_keep_serving(pair, case):
         assert "release_notified" in kinds(p_evs)
 
 
+def test_the_same_transfer_params_twice_are_read_once(pair):
+    (prompt,) = prompts_for(1, 230, 230, seed=19)
+    (ref,) = reference(pair, [prompt])
+    (rid,), (params,) = prefill(pair, [prompt], "dup")
+    pair.d.add(rid, prompt, OUT, params)
+    pair.d.add(rid + "-again", prompt, OUT, params)  # a replayed / duplicated hand-off
+    done = pair.d.wait_done([rid, rid + "-again"])
+    reasons = sorted(d["finish_reason"] for d in done.values())
+    assert reasons == ["error", "length"], done
+    assert next(d for d in done.values() if d["finish_reason"] == "length")["token_ids"] == ref
+    p_evs = wait_freed(pair, params["remote_request_id"], LEASE_S + 5)
+    assert kinds(p_evs).count("freed") == 1
+
+
 def test_replay_check_of_both_logs_is_clean(pair):
     logs = pair.p.flush() + pair.d.flush()
     a = analyse_logs(logs)
@@ -228,3 +242,21 @@ def test_d_restart_does_not_hold_p_blocks_past_one_lease(pair):
     (rid2,), (params2,) = prefill(pair, [good], "reborn")
     pair.d.add(rid2, good, OUT, params2)
     assert pair.d.wait_done([rid2])[rid2]["token_ids"] == ref
+
+
+def test_bad_connector_settings_refuse_engine_start(tmp_path):
+    from kvhandoff.adapters.vllm.cluster import EngineFailed, EngineHandle, free_port
+    from kvhandoff.adapters.vllm.engine_proc import EngineSpec
+
+    model = write_tiny_llama(tmp_path / "model")
+    spec = EngineSpec(name="D-bad", role="decode", model_dir=str(model), control="",
+                      engine_id="D-bad", side_channel_port=free_port(),
+                      extra_config={"lease": 3})
+    h = EngineHandle(spec, tmp_path)
+    try:
+        with pytest.raises(EngineFailed):
+            h.wait_ready(timeout_s=300)
+        log = h.log_path.read_text()
+        assert "ConnectorConfigError" in log and "'lease'" in log
+    finally:
+        h.kill()
