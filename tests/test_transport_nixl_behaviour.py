@@ -282,13 +282,21 @@ def test_cuda_ipc_handles_survive_the_trip_through_metadata_bytes():
 def test_ucx_defaults_are_set_unless_the_user_set_them():
     env = {"UCX_CUDA_IPC_ENABLE_SAME_PROCESS": "n"}
     with capture_logs() as logs:
-        applied = apply_ucx_defaults(env)
+        applied = apply_ucx_defaults(env, cuda=True)
     assert applied == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
     assert env == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y", "UCX_CUDA_IPC_ENABLE_SAME_PROCESS": "n"}
     sources = {e["variable"]: e["source"] for e in logs if e["event"] == "nixl.ucx_default"}
     assert sources == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "kvhandoff",
-                       "UCX_CUDA_IPC_ENABLE_SAME_PROCESS": "user"}
+                       "UCX_CUDA_IPC_ENABLE_SAME_PROCESS": "environment"}
     assert set(sources) == set(UCX_DEFAULTS)
+
+
+def test_without_a_cuda_driver_no_cuda_variable_is_set():
+    env: dict[str, str] = {}
+    with capture_logs() as logs:
+        assert apply_ucx_defaults(env, cuda=False) == {}
+    assert env == {}
+    assert {e["source"] for e in logs if e["event"] == "nixl.ucx_default"} == {"skipped"}
 
 
 # --- real NIXL, two processes -------------------------------------------------------

@@ -27,6 +27,7 @@ both must be fixed *before* the agent (and with it UCX's context) starts:
 
 from __future__ import annotations
 
+import ctypes
 import inspect
 import os
 import threading
@@ -40,6 +41,7 @@ import structlog
 log = structlog.get_logger(__name__)
 
 # name -> (value, why).  Only what a kvhandoff READ needs; everything else is UCX's.
+# All of them concern CUDA memory: without a CUDA driver none is set.
 UCX_DEFAULTS: dict[str, tuple[str, str]] = {
     "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": (
         "y",
@@ -84,18 +86,38 @@ class NixlOptions:
             raise ValueError("backends: expected at least one NIXL backend, found none")
 
 
-def apply_ucx_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Set each of `UCX_DEFAULTS` the user has not set; return what was set.
+def cuda_driver_present() -> bool:
+    """Whether this process can load the CUDA driver (``libcuda.so.1``)."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def apply_ucx_defaults(environ: MutableMapping[str, str] | None = None,
+                       cuda: bool | None = None) -> dict[str, str]:
+    """Set each of `UCX_DEFAULTS` not already in the environment; return what was set.
 
     Logs ``nixl.ucx_default`` for every variable, saying whether kvhandoff
-    set it or the user's value was kept, so an operator can see why a READ
-    took the path it took.
+    set it (``source=kvhandoff``), found it set by the user or a parent
+    process (``source=environment``), or skipped it because there is no CUDA
+    driver (``source=skipped``: UCX would only print that it is unused), so
+    an operator can see why a READ took the path it took.  ``cuda``: whether
+    a CUDA driver is present (None: find out).
     """
     env = os.environ if environ is None else environ
+    if cuda is None:
+        cuda = cuda_driver_present()
     applied: dict[str, str] = {}
     for name, (value, why) in UCX_DEFAULTS.items():
         if name in env:
-            log.info("nixl.ucx_default", variable=name, value=env[name], source="user", why=why)
+            log.info("nixl.ucx_default", variable=name, value=env[name], source="environment",
+                     why=why)
+            continue
+        if not cuda:
+            log.info("nixl.ucx_default", variable=name, value=None, source="skipped",
+                     why="no CUDA driver here")
             continue
         env[name] = value
         applied[name] = value
