@@ -216,6 +216,30 @@ def test_the_same_transfer_params_twice_are_read_once(pair):
     assert kinds(p_evs).count("freed") == 1
 
 
+def test_recompute_policy_decodes_locally_when_the_read_is_refused(pair, tmp_path):
+    from kvhandoff.adapters.vllm.cluster import EngineHandle, free_port
+    from kvhandoff.adapters.vllm.engine_proc import EngineSpec
+
+    spec = EngineSpec(name="D-recompute", role="decode", model_dir=pair.cfg.model_dir,
+                      control="", engine_id=f"D-recompute-{time.time_ns() % 10**6}",
+                      side_channel_port=free_port(), kv_load_failure_policy="recompute",
+                      extra_config={"lease_s": LEASE_S, "log_dir": str(tmp_path / "events")})
+    d = EngineHandle(spec, tmp_path)
+    try:
+        d.wait_ready(timeout_s=300)
+        (prompt,) = prompts_for(1, 270, 270, seed=20)
+        (ref,) = reference(pair, [prompt])
+        (rid,), (params,) = prefill(pair, [prompt], "recompute")
+        bad = {**params, "remote_block_ids": [[10**9, *params["remote_block_ids"][0][1:]]]}
+        d.add(rid, prompt, OUT, bad)
+        out = d.wait_done([rid])[rid]
+        assert out["finish_reason"] == "length" and out["token_ids"] == ref
+        p_evs = wait_freed(pair, params["remote_request_id"], LEASE_S + 5)
+        assert "release_notified" in kinds(p_evs) and kinds(p_evs).count("freed") == 1
+    finally:
+        d.stop()
+
+
 def test_replay_check_of_both_logs_is_clean(pair):
     logs = pair.p.flush() + pair.d.flush()
     a = analyse_logs(logs)
