@@ -53,7 +53,7 @@ from kvhandoff.simulations.config import RunConfig
 from kvhandoff.simulations.loop import EngineLoop
 from kvhandoff.simulations.policies import DecodePolicy
 from kvhandoff.simulations.prefill import SimRequest, TransferParams
-from kvhandoff.transports.base import KVRegion, ReadRequest, TransportError
+from kvhandoff.transports.base import ReadRequest, TransportError
 from kvhandoff.transports.sim import SimBlockPool, SimNetwork
 
 
@@ -102,12 +102,11 @@ class DecodeEngine:
         self.on_phase, self.on_done = on_phase, on_done
         self.agents = [net.agent(f"{name}.r{r}") for r in range(cfg.tp)]
         self.peers = [f"{p_name}.r{r}" for r in range(cfg.tp)]
-        self.words: list[list[np.ndarray]] = []
+        self.words: list[np.ndarray] = []  # per rank: (regions, blocks, words) of its memory
         for agent in self.agents:
-            regions = [KVRegion(f"kv{k}", np.zeros((cfg.d_blocks, cfg.block_bytes), np.uint8),
-                                cfg.d_blocks, cfg.block_bytes) for k in range(cfg.regions)]
+            regions, words = kv.rank_memory(cfg.regions, cfg.d_blocks, cfg.block_bytes)
             agent.register(regions)
-            self.words.append([kv.words(agent.blocks(r.name)) for r in regions])
+            self.words.append(words)
         self.state = LifecycleState()  # keeps FREED / DONE records: runs are short
         self.stream = Stream(name, Side.D, 0)
         self.ledger = Ledger(self.stream, self.state, sink)
@@ -311,11 +310,8 @@ class DecodeEngine:
 
     def _bytes_match(self, imp: Import) -> bool:
         serial = imp.req.serial
-        for rank, regions in enumerate(self.words):
-            for region, rows in enumerate(regions):
-                if not kv.matches(rows, imp.local_ids, serial, rank, region):
-                    return False
-        return True
+        return all(kv.matches(words, imp.local_ids, serial, rank)
+                   for rank, words in enumerate(self.words))
 
     def _heartbeat(self, now: float) -> None:
         periodic = now >= self.next_heartbeat

@@ -4,6 +4,10 @@ P fills each block of each region with one token naming (request serial,
 rank, region, block index), so D can check every byte it received against
 what P computed.  Tokens carry a tag in their top bytes, so neither the
 poison of a freed block nor zeroed memory can pass for KV.
+
+A rank's regions are views of one ``(regions, blocks, block_bytes)`` buffer
+(`rank_memory`), so writing or checking a request touches all its regions in
+one numpy operation.
 """
 
 from __future__ import annotations
@@ -12,22 +16,29 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvhandoff.transports.base import KVRegion
+
 _TAG = 0x4B56 << 48  # "KV"
 
 
-def tokens(serial: int, rank: int, region: int, count: int) -> np.ndarray:
-    base = _TAG | (serial << 20) | (rank << 17) | (region << 14)
-    return np.arange(base, base + count, dtype=np.uint64)
+def rank_memory(regions: int, blocks: int, block_bytes: int) -> tuple[list[KVRegion], np.ndarray]:
+    """One rank's KV regions (``kv0``, ``kv1``, ...) and their 64-bit words."""
+    buf = np.zeros((regions, blocks, block_bytes), np.uint8)
+    regs = [KVRegion(f"kv{k}", buf[k], blocks, block_bytes) for k in range(regions)]
+    return regs, buf.view(np.uint64)
 
 
-def words(rows: np.ndarray) -> np.ndarray:
-    """A region's ``(num_blocks, block_bytes)`` rows as 64-bit words (shared memory)."""
-    return rows.view(np.uint64)
+def tokens(serial: int, rank: int, regions: int, count: int) -> np.ndarray:
+    """``(regions, count)`` tokens: what blocks ``0..count-1`` of a request hold."""
+    base = _TAG | (serial << 20) | (rank << 17)
+    return (base + (np.arange(regions, dtype=np.uint64)[:, None] << np.uint64(14))
+            + np.arange(count, dtype=np.uint64)[None, :])
 
 
-def write(rows64: np.ndarray, ids: Sequence[int], serial: int, rank: int, region: int) -> None:
-    rows64[ids] = tokens(serial, rank, region, len(ids))[:, None]
+def write(words: np.ndarray, ids: Sequence[int], serial: int, rank: int) -> None:
+    words[:, ids] = tokens(serial, rank, words.shape[0], len(ids))[:, :, None]
 
 
-def matches(rows64: np.ndarray, ids: Sequence[int], serial: int, rank: int, region: int) -> bool:
-    return bool((rows64[ids] == tokens(serial, rank, region, len(ids))[:, None]).all())
+def matches(words: np.ndarray, ids: Sequence[int], serial: int, rank: int) -> bool:
+    expected = tokens(serial, rank, words.shape[0], len(ids))[:, :, None]
+    return bool((words[:, ids] == expected).all())

@@ -36,7 +36,6 @@ from kvhandoff.core.policy import expired_leases, lease_time_left, to_free
 from kvhandoff.simulations import kv
 from kvhandoff.simulations.config import RunConfig
 from kvhandoff.simulations.loop import EngineLoop
-from kvhandoff.transports.base import KVRegion
 from kvhandoff.transports.sim import SimBlockPool, SimNetwork
 
 
@@ -77,12 +76,11 @@ class PrefillEngine:
         self.on_exported = on_exported
         self.mint_tokens = mint_tokens
         self.agents = [net.agent(f"{name}.r{r}") for r in range(cfg.tp)]
-        self.words: list[list[np.ndarray]] = []
+        self.words: list[np.ndarray] = []  # per rank: (regions, blocks, words) of its memory
         for agent in self.agents:
-            regions = [KVRegion(f"kv{k}", np.zeros((cfg.p_blocks, cfg.block_bytes), np.uint8),
-                                cfg.p_blocks, cfg.block_bytes) for k in range(cfg.regions)]
+            regions, words = kv.rank_memory(cfg.regions, cfg.p_blocks, cfg.block_bytes)
             agent.register(regions)
-            self.words.append([kv.words(agent.blocks(r.name)) for r in regions])
+            self.words.append(words)
         # Terminal records are kept: P answers a late heartbeat for a request it
         # released with "released" (0), not "unknown" (< 0).
         self.state = LifecycleState()  # keeps FREED / DONE records: runs are short
@@ -148,8 +146,7 @@ class PrefillEngine:
             # Only the engine that receives the transfer parameters can release.
             token = f"{self.rng.getrandbits(64):016x}" if self.mint_tokens else ""
             for rank, ledger in enumerate(self.ledgers):
-                for region, rows in enumerate(self.words[rank]):
-                    kv.write(rows, ids, req.serial, rank, region)
+                kv.write(self.words[rank], ids, req.serial, rank)
                 ledger.record(Exported, req.rid, now, lease_s=cfg.lease_s, consumer_ranks=(rank,),
                               num_blocks=len(ids), token=token)
             self.on_exported(req, TransferParams(req.rid, self.name, tuple(range(cfg.tp)),

@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import orjson
 
 from kvhandoff.core.lifecycle import HEARTBEAT_STATES, PState
 from kvhandoff.core.log import encode_event
@@ -40,10 +39,12 @@ METRICS = ("requests", "served", "failed", "rejected", "cancelled", "freed_under
 
 
 def _message_kind(message: bytes) -> str:
-    try:
-        return str(orjson.loads(message).get("k", "?"))
-    except (orjson.JSONDecodeError, AttributeError):
+    """The wire kind ("hb", "ack", "rel") for per-kind faults, without a full parse."""
+    at = message.find(b'"k":"')
+    if at < 0:
         return "?"
+    end = message.find(b'"', at + 5)
+    return message[at + 5:end].decode() if end > 0 else "?"
 
 
 @dataclass
@@ -257,10 +258,11 @@ class World:
     # -- running -----------------------------------------------------------------------
 
     def run(self, on_step: Callable[[World], None] | None = None) -> RunResult:
-        clock = self.clock
+        clock, horizon = self.clock, self.horizon
+        queue, step = clock._queue, clock.step
         steps = 0
-        while clock.next_time() <= self.horizon and steps < MAX_CLOCK_STEPS:
-            clock.step()
+        while queue and queue[0][0] <= horizon and steps < MAX_CLOCK_STEPS:
+            step()
             steps += 1
             if on_step is not None:
                 on_step(self)

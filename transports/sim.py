@@ -644,7 +644,8 @@ class SimBlockPool:
         if not live:
             return doubles
         if not agent._crashed:
-            hits = net.reads_in_flight(agent.name, live, source=self.source)
+            refs = (net._src_refs if self.source else net._dst_refs)[agent.name]
+            hits = refs and sum(1 for b in live if refs.get(b))
             if hits:
                 # Counted once per free that hit a READ in flight, whatever its size.
                 if self.source:
