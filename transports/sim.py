@@ -256,6 +256,8 @@ class SimNetwork:
 
     def partitioned(self, a: str, b: str, t: float) -> float:
         """The time the a–b link heals if it is cut at ``t``, else 0."""
+        if not self._partitions:
+            return 0.0
         pair = frozenset((a, b))
         heal = 0.0
         for p, start, end in self._partitions:
