@@ -55,6 +55,20 @@ def _slow_reads(cfg: RunConfig, share: float, lo: float = 1.2, hi: float = 2.5) 
                                  slow_s=(lo * cfg.lease_s, hi * cfg.lease_s))
 
 
+def _silence_before(cfg: RunConfig) -> float:
+    """How long P may already have gone without a heartbeat when a partition starts.
+
+    One heartbeat period, plus the periods the drop faults may swallow, plus
+    the longest engine stall and notification delay: a partition that, added
+    to this, outlasts the lease exceeds what a lease can cover.
+    """
+    hb = cfg.notif_faults.get("hb")
+    lost = (hb.max_consecutive_drops or 0) if hb is not None and hb.drop else 0
+    delayed = hb.delay_s if hb is not None and hb.delay else 0.0
+    stall = cfg.stall_s[1] if cfg.stall else 0.0
+    return cfg.heartbeat_s * (1 + lost) + stall + delayed
+
+
 # --- the catalogue ----------------------------------------------------------------
 
 
@@ -225,7 +239,7 @@ def _swarm(cfg: RunConfig, rng: random.Random) -> None:
     if maybe(0.2):
         duration = rng.uniform(0.1, 2.0) * lease
         cfg.partitions = [(rng.uniform(0.0, 0.1), duration)]
-        cfg.exceeds_lease = duration > 0.5 * lease
+        cfg.exceeds_lease = duration + _silence_before(cfg) > lease
     if maybe(0.1):
         cfg.crash_p_at = rng.uniform(0.0, 0.1)
     elif maybe(0.1):
