@@ -316,3 +316,56 @@ def test_regression_a_request_survives_losses_that_hit_only_its_periodic_heartbe
     # request whose proof of life is going stale.
     result = run_one("heartbeat_loss_tolerated", seed)
     assert result.metrics["freed_under_read"] == result.metrics["lease_expiries"] == 0
+
+
+# --- the engine loop ---------------------------------------------------------------
+
+
+def _loop(body, step_s=1.0):
+    import random
+
+    from kvhandoff.simulations.loop import EngineLoop
+    from kvhandoff.transports.sim import SimClock
+
+    clock = SimClock()
+    return clock, EngineLoop(clock, random.Random(0), body, step_s, jitter=0.0)
+
+
+def test_wakes_while_a_step_runs_or_while_busy_coalesce_into_one_next_step():
+    times = []
+    clock, loop = _loop(lambda: times.append(clock.now) or False)
+    loop.wake()
+    loop.wake()
+    clock.run_until(0.5)
+    loop.wake()  # busy until t=1: the step waits for the engine
+    loop.wake()
+    clock.run_until(5.0)
+    assert times == [0.0, 1.0]
+
+
+def test_a_step_that_leaves_work_asks_for_the_next_and_a_dead_engine_never_steps():
+    times = []
+
+    def body():
+        times.append(clock.now)
+        return len(times) < 3
+
+    clock, loop = _loop(body, step_s=0.5)
+    loop.wake()
+    clock.run_until(10.0)
+    assert times == [0.0, 0.5, 1.0]
+    loop.dead = True
+    loop.wake()
+    loop.wake_at(20.0)
+    clock.run_until(30.0)
+    assert times == [0.0, 0.5, 1.0]
+
+
+def test_timers_wake_the_engine_once_per_time_however_often_they_are_armed():
+    times = []
+    clock, loop = _loop(lambda: times.append(clock.now) or False, step_s=0.1)
+    for _ in range(3):
+        loop.wake_at(2.0)
+    loop.wake_at(4.0)
+    clock.run_until(10.0)
+    assert times == [2.0, 4.0]

@@ -439,3 +439,22 @@ class SimTransportMachine(RuleBasedStateMachine):
 
 
 TestSimTransportStateful = SimTransportMachine.TestCase
+
+
+# --- the clock ---------------------------------------------------------------------
+
+
+def test_the_clock_runs_callbacks_in_time_order_and_ties_in_scheduling_order():
+    from kvhandoff.transports.sim import SimClock
+
+    clock, seen = SimClock(), []
+    clock.call_at(2.0, seen.append, "c")
+    clock.call_at(1.0, seen.append, "a")
+    clock.call_at(1.0, seen.append, "b")
+    clock.call_later(0.5, seen.append, "first")
+    clock.run_until(1.5)
+    assert seen == ["first", "a", "b"] and clock.now == 1.5
+    clock.call_at(0.0, seen.append, "late")  # the past is the present
+    assert clock.step() and seen[-1] == "late" and clock.now == 1.5
+    clock.run_until(10.0)
+    assert seen[-1] == "c" and clock.pending() == 0 and not clock.step()
