@@ -57,6 +57,11 @@ def _median(xs: list[float]) -> float | None:
     return round(statistics.median(xs), 3) if xs else None
 
 
+def _p90(xs: list[float]) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    return round(xs[min(len(xs) - 1, int(0.9 * len(xs)))], 3) if xs else None
+
+
 def _one(pair: PDPair, rid: str, prompt: list[int], out_tokens: int) -> dict[str, Any]:
     pre = pair.prefill([rid], [prompt])[rid]
     pair.d.add(rid, prompt, out_tokens, pre["kv_transfer_params"])
@@ -86,6 +91,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _logs_to_stderr()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvhandoff-bench-vllm-"))
     model = write_tiny_llama(workdir / "model")
+    load_before = os.getloadavg()
     pairs = {c: PDPair(PDConfig(model_dir=str(model), connector=c, workdir=str(workdir / c), tag=c))
              for c in CONNECTORS}
     try:
@@ -130,7 +136,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "requests": len(rs),
             "tokens_match": all(r["match"] for r in rs) and bool(rs),
             "d_ttft_ms_median": _median([r["ttft_ms"] for r in rs]),
+            "d_ttft_ms_p90": _p90([r["ttft_ms"] for r in rs]),
             "transfer_ms_median": _median([r["transfer_ms"] for r in rs]),
+            "transfer_ms_p90": _p90([r["transfer_ms"] for r in rs]),
             "p_idle_cpu_percent": idle[pairs[c].p.name],
             "d_idle_cpu_percent": idle[pairs[c].d.name],
         })
@@ -150,6 +158,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "VLLM_CPU_OMP_THREADS_BIND": "0"},
         "engine_start_s": round(start_s, 1),
         "isolated": not args.co_located,
+        "load_average_1m": {"before": round(load_before[0], 2),
+                            "after": round(os.getloadavg()[0], 2)},
         "rows": rows,
         "ratio_d_ttft": ratio("d_ttft_ms_median"),
         "ratio_transfer": ratio("transfer_ms_median"),
