@@ -28,6 +28,7 @@ from kvhandoff.transports.base import (  # noqa: E402
     PeerNotReady,
     ReadRequest,
     RegionMismatch,
+    Transport,
     UnknownPeer,
 )
 from kvhandoff.transports.nixl import (  # noqa: E402
@@ -155,6 +156,11 @@ def fake(monkeypatch):
 def all_released_once(agent: FakeAgent) -> bool:
     return sorted(agent.released) == list(range(1, agent.made + 1)) and \
         set(agent.released.values()) == {1}
+
+
+def test_it_is_a_transport(fake):
+    d, _ = fake
+    assert isinstance(d, Transport)
 
 
 def test_a_failed_post_completes_once_with_its_reason_and_leaks_no_handle(fake):

@@ -10,7 +10,8 @@ See docs/nixl.md.
 """
 
 from .agent import UCX_DEFAULTS, NixlOptions, apply_ucx_defaults
-from .transport import PROBE, InvalidRead, NixlTransport, PeerUnreachable, ReadSplit, runs_array
+from .reads import InvalidRead, ReadSplit, runs_array
+from .transport import PROBE, NixlTransport, PeerUnreachable
 from .wire import MetadataUnreadable
 
 __all__ = [

@@ -50,10 +50,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import structlog
 
-from kvhandoff.core.planning import BlockRun
 from kvhandoff.transports.base import (
     Completion,
     KVRegion,
@@ -77,6 +75,12 @@ from .memory import (
     plan_registrations,
     span_rows,
 )
+from .reads import (
+    ReadGroup,
+    ReadSplit,
+    RegionAt,
+    plan_reads,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -87,81 +91,11 @@ class PeerUnreachable(TransportError):
     """NIXL could not connect to the agent a metadata blob describes (gone, or stale)."""
 
 
-class InvalidRead(TransportError):
-    """A READ that names blocks outside the registered regions, or no blocks at all."""
-
-
-@dataclass(frozen=True, slots=True)
-class ReadSplit:
-    """One part of a READ: ``runs`` applied to each ``(remote region, local region)`` pair.
-
-    Remote and local names differ when the destination is split by memory
-    kind (``"layer0" -> "layer0@gpu"`` for the resident tail, ``-> "layer0@host"``
-    for the host pool); a plain READ pairs each region with its namesake.
-    ``runs`` is a tuple of `BlockRun` or, for large READs, an ``(n, 3)`` integer
-    array of ``(remote_start, local_start, count)`` rows (see `runs_array`).
-    """
-
-    runs: tuple[BlockRun, ...] | np.ndarray
-    regions: tuple[tuple[str, str], ...]
-
-
-def runs_array(remote_ids: Sequence[int] | np.ndarray,
-               local_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    """`kvhandoff.core.planning.coalesce` in numpy: ``(n, 3)`` rows of maximal runs.
-
-    Same result as ``coalesce`` (a run is a stretch where both ids advance by
-    one), without a Python object per block: what a worker with 10^5 block
-    ids per request uses.
-    """
-    r = np.asarray(remote_ids, dtype=np.int64).ravel()
-    loc = np.asarray(local_ids, dtype=np.int64).ravel()
-    if r.shape != loc.shape:
-        raise InvalidRead(f"expected as many local as remote block ids, found "
-                          f"{loc.size} local for {r.size} remote")
-    if r.size == 0:
-        return np.empty((0, 3), dtype=np.int64)
-    breaks = np.flatnonzero((np.diff(r) != 1) | (np.diff(loc) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    counts = np.diff(np.concatenate((starts, [r.size])))
-    return np.stack((r[starts], loc[starts], counts), axis=1)
-
-
-@dataclass(frozen=True, slots=True)
-class _RegionAt:
-    """A region as a READ needs it: descriptor-list index base and raw address."""
-
-    kind: MemoryKind
-    base: int  # index of its block 0 in its kind's descriptor list
-    num_blocks: int
-    block_bytes: int
-    addr: int
-    device: int
-
-
-@dataclass(slots=True)
-class _Group:
-    """The part of one split that one transfer carries: same (local, remote) kinds."""
-
-    lkind: MemoryKind
-    rkind: MemoryKind
-    pairs: list[tuple[_RegionAt, _RegionAt]]  # (remote, local)
-    remote_blocks: np.ndarray
-    local_blocks: np.ndarray
-    descriptors: int  # one per block run and region pair
-
-    def indices(self) -> tuple[np.ndarray, np.ndarray]:
-        """NIXL descriptor indices (local, remote) for the whole group."""
-        local = np.concatenate([self.local_blocks + lo.base for _, lo in self.pairs])
-        remote = np.concatenate([self.remote_blocks + r.base for r, _ in self.pairs])
-        return local.astype(np.int32), remote.astype(np.int32)
-
-
 @dataclass(slots=True)
 class _Side:
     """Regions of one agent, as indices into one descriptor list per memory kind."""
 
-    regions: dict[str, _RegionAt]
+    regions: dict[str, RegionAt]
     dlists: dict[MemoryKind, Any]  # kind -> prepped NIXL descriptor-list handle
 
 
@@ -175,7 +109,9 @@ class _Peer:
     lost: bool = False
     removing: bool = False
     probed_at: float = 0.0
-    ipc: PeerMemory | None = None  # its VRAM mapped here (same node, vram_ipc on)
+    ipc_offer: list | None = None  # its exported VRAM allocations (same node, vram_ipc on)
+    ipc: PeerMemory | None = None  # ...mapped here, on the first VRAM READ that needs them
+    ipc_tried: bool = False
 
 
 @dataclass(slots=True)
@@ -293,26 +229,34 @@ class NixlTransport:
                                    "registrations in this metadata: re-fetch")
         side = self._prepare_side(name, placements, None)
         self._peers[name] = _Peer(name, meta.instance, meta.generation, side,
-                                  probed_at=time.monotonic(), ipc=self._map_peer_vram(meta))
+                                  probed_at=time.monotonic(), ipc_offer=self._ipc_offer(meta))
         log.info("nixl.peer_added", agent=self.name, peer=name, regions=len(placements),
                  generation=meta.generation)
         return name
 
-    def _map_peer_vram(self, meta: wire.PeerMetadata) -> PeerMemory | None:
+    def _ipc_offer(self, meta: wire.PeerMetadata) -> list | None:
+        """The peer's VRAM allocations we may map, if CUDA IPC can apply at all."""
         ipc = meta.ipc or {}
-        if not (self.options.vram_ipc and ipc.get("allocations") and ipc.get("node")
+        if (self.options.vram_ipc and ipc.get("allocations") and ipc.get("node")
                 and ipc.get("node") == node_id()
                 and any(p.kind is MemoryKind.VRAM for p in self._placements.values())):
-            return None
-        try:
-            mapped = PeerMemory(ipc["allocations"])
-        except Exception as exc:  # not exportable, other node, driver refusal: use NIXL
-            log.info("nixl.cuda_ipc_unavailable", agent=self.name, peer=meta.agent,
-                     error=str(exc))
-            return None
-        log.info("nixl.cuda_ipc_mapped", agent=self.name, peer=meta.agent,
-                 allocations=len(ipc["allocations"]))
-        return mapped
+            return list(ipc["allocations"])
+        return None
+
+    def _peer_vram(self, peer: _Peer) -> PeerMemory | None:
+        # Mapped on first use, so an agent that never READs VRAM from this peer
+        # (P, reading nothing from D) never maps the peer's memory.
+        if peer.ipc is None and peer.ipc_offer and not peer.ipc_tried:
+            peer.ipc_tried = True
+            try:
+                peer.ipc = PeerMemory(peer.ipc_offer)
+            except Exception as exc:  # not exportable, driver refusal: NIXL carries it
+                log.info("nixl.cuda_ipc_unavailable", agent=self.name, peer=peer.name,
+                         error=str(exc))
+                return None
+            log.info("nixl.cuda_ipc_mapped", agent=self.name, peer=peer.name,
+                     allocations=len(peer.ipc_offer))
+        return peer.ipc
 
     def remove_peer(self, peer: str) -> None:
         """Forget ``peer``; READs from it in flight drain first (they cannot be cancelled)."""
@@ -338,7 +282,8 @@ class NixlTransport:
         p = self._peer(peer)
         if p.removing:
             raise UnknownPeer(f"{self.name}: peer {peer!r} is being removed")
-        groups = self._plan(p, splits)
+        groups = plan_reads(splits, p.side.regions, self._local.regions, p.name,
+                            self.name)
         self._next_handle += 1
         handle = self._next_handle
         if p.lost:
@@ -485,7 +430,7 @@ class NixlTransport:
         if old is not None:
             for dlist in old.dlists.values():
                 self._agent.release_dlist_handle(dlist)
-        regions: dict[str, _RegionAt] = {}
+        regions: dict[str, RegionAt] = {}
         dlists: dict[MemoryKind, Any] = {}
         for kind in MemoryKind:
             of_kind = [p for p in placements if p.kind is kind]
@@ -493,7 +438,7 @@ class NixlTransport:
                 continue
             base = 0
             for p in of_kind:
-                regions[p.name] = _RegionAt(kind, base, p.num_blocks, p.block_bytes, p.addr,
+                regions[p.name] = RegionAt(kind, base, p.num_blocks, p.block_bytes, p.addr,
                                             p.device)
                 base += p.num_blocks
             if base >= 2**31:
@@ -503,54 +448,16 @@ class NixlTransport:
                                                        kind.value)
         return _Side(regions, dlists)
 
-    def _plan(self, peer: _Peer, splits: Sequence[ReadSplit]) -> list[_Group]:
-        """The transfers a READ needs, one per (split, local kind, remote kind);
-        refuses impossible READs before anything is posted."""
-        groups: list[_Group] = []
-        for split in splits:
-            runs = _as_array(split.runs)
-            if not len(runs) or not split.regions:
-                raise InvalidRead(f"{self.name}: a READ split needs block runs and regions")
-            rs, ls, cs = runs[:, 0], runs[:, 1], runs[:, 2]
-            if (cs <= 0).any() or (rs < 0).any() or (ls < 0).any():
-                raise InvalidRead(f"{self.name}: runs need count > 0 and starts >= 0")
-            r_end, l_end = int((rs + cs).max()), int((ls + cs).max())
-            r_blocks, l_blocks = _expand(rs, ls, cs)
-            by_kind: dict[tuple[MemoryKind, MemoryKind], _Group] = {}
-            for remote_name, local_name in split.regions:
-                remote = peer.side.regions.get(remote_name)
-                local = self._local.regions.get(local_name)
-                if remote is None:
-                    raise RegionMismatch(f"peer {peer.name!r} has no region {remote_name!r}")
-                if local is None:
-                    raise RegionMismatch(f"{self.name} has no region {local_name!r}")
-                if remote.block_bytes != local.block_bytes:
-                    raise RegionMismatch(f"{remote_name!r} -> {local_name!r}: block_bytes "
-                                         f"{remote.block_bytes} on {peer.name}, "
-                                         f"{local.block_bytes} here")
-                if r_end > remote.num_blocks or l_end > local.num_blocks:
-                    raise InvalidRead(f"{remote_name!r} -> {local_name!r}: runs reach block "
-                                      f"{max(r_end, l_end) - 1}, regions hold "
-                                      f"{remote.num_blocks} remote / {local.num_blocks} local")
-                # One transfer per split and kind pair: a NIXL descriptor list has one
-                # memory kind, and a split (say, the GPU tail) stays one transfer.
-                group = by_kind.get((local.kind, remote.kind))
-                if group is None:
-                    group = by_kind[(local.kind, remote.kind)] = _Group(
-                        local.kind, remote.kind, [], r_blocks, l_blocks, 0)
-                group.pairs.append((remote, local))
-                group.descriptors += len(cs)
-            groups.extend(by_kind.values())
-        return groups
-
-    def _gather_pairs(self, peer: _Peer, group: _Group) -> list[GatherPair] | None:
+    def _gather_pairs(self, peer: _Peer, group: ReadGroup) -> list[GatherPair] | None:
         """The group as CUDA IPC gathers, or None when it must go through NIXL."""
-        if peer.ipc is None or group.lkind is not MemoryKind.VRAM \
-                or group.rkind is not MemoryKind.VRAM:
+        if group.lkind is not MemoryKind.VRAM or group.rkind is not MemoryKind.VRAM:
+            return None
+        mapped = self._peer_vram(peer)
+        if mapped is None:
             return None
         pairs = []
         for remote, local in group.pairs:
-            src = peer.ipc.translate(remote.addr, remote.num_blocks * remote.block_bytes)
+            src = mapped.translate(remote.addr, remote.num_blocks * remote.block_bytes)
             if src is None or local.device != group.pairs[0][1].device:
                 return None
             pairs.append(GatherPair(src, local.addr, remote.num_blocks, local.num_blocks,
@@ -630,21 +537,3 @@ class NixlTransport:
             log.info("nixl.remove_remote_failed", agent=self.name, peer=p.name, error=repr(exc))
         self._peers.pop(p.name, None)
 
-
-def _as_array(runs: tuple[BlockRun, ...] | np.ndarray) -> np.ndarray:
-    if isinstance(runs, np.ndarray):
-        if runs.ndim != 2 or runs.shape[1] != 3:
-            raise InvalidRead(f"runs: expected an (n, 3) array, found shape {runs.shape}")
-        return runs.astype(np.int64, copy=False)
-    flat = np.fromiter((x for r in runs for x in (r.remote_start, r.local_start, r.count)),
-                       dtype=np.int64, count=3 * len(runs))
-    return flat.reshape(-1, 3)
-
-
-def _expand(rs: np.ndarray, ls: np.ndarray, cs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-block remote and local ids of runs ``(rs, ls, cs)``, in run order."""
-    total = int(cs.sum())
-    if total == len(cs):  # every run is one block (a shuffled READ): nothing to expand
-        return rs, ls
-    within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(cs) - cs, cs)
-    return np.repeat(rs, cs) + within, np.repeat(ls, cs) + within

@@ -1,0 +1,153 @@
+"""Read planning for the NIXL transport: block runs to descriptor indices, per transfer.
+
+Pure (numpy only).  A READ is a list of ``ReadSplit`` objects; `plan_reads`
+turns it into ``ReadGroup`` objects, one per (split, local memory kind, remote memory kind),
+each of which becomes one NIXL transfer (or one CUDA IPC gather): a NIXL
+descriptor list has a single memory kind, and a split (say, a GPU tail) stays
+one transfer.  Indices are built with numpy, never a Python object per block,
+because a READ can name 10^5 blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvhandoff.core.planning import BlockRun
+from kvhandoff.transports.base import MemoryKind, RegionMismatch, TransportError
+
+
+class InvalidRead(TransportError):
+    """A READ that names blocks outside the registered regions, or no blocks at all."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadSplit:
+    """One part of a READ: ``runs`` applied to each ``(remote region, local region)`` pair.
+
+    Remote and local names differ when the destination is split by memory
+    kind (``"layer0" -> "layer0@gpu"`` for the resident tail, ``-> "layer0@host"``
+    for the host pool); a plain READ pairs each region with its namesake.
+    ``runs`` is a tuple of `BlockRun` or, for large READs, an ``(n, 3)`` integer
+    array of ``(remote_start, local_start, count)`` rows (see `runs_array`).
+    """
+
+    runs: tuple[BlockRun, ...] | np.ndarray
+    regions: tuple[tuple[str, str], ...]
+
+
+def runs_array(remote_ids: Sequence[int] | np.ndarray,
+               local_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """`kvhandoff.core.planning.coalesce` in numpy: ``(n, 3)`` rows of maximal runs.
+
+    Same result as ``coalesce`` (a run is a stretch where both ids advance by
+    one), without a Python object per block: what a worker with 10^5 block
+    ids per request uses.
+    """
+    r = np.asarray(remote_ids, dtype=np.int64).ravel()
+    loc = np.asarray(local_ids, dtype=np.int64).ravel()
+    if r.shape != loc.shape:
+        raise InvalidRead(f"expected as many local as remote block ids, found "
+                          f"{loc.size} local for {r.size} remote")
+    if r.size == 0:
+        return np.empty((0, 3), dtype=np.int64)
+    breaks = np.flatnonzero((np.diff(r) != 1) | (np.diff(loc) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    counts = np.diff(np.concatenate((starts, [r.size])))
+    return np.stack((r[starts], loc[starts], counts), axis=1)
+
+
+@dataclass(frozen=True, slots=True)
+class RegionAt:
+    """A region as a READ needs it: descriptor-list index base and raw address."""
+
+    kind: MemoryKind
+    base: int  # index of its block 0 in its kind's descriptor list
+    num_blocks: int
+    block_bytes: int
+    addr: int
+    device: int
+
+
+@dataclass(slots=True)
+class ReadGroup:
+    """The part of one split that one transfer carries: same (local, remote) kinds."""
+
+    lkind: MemoryKind
+    rkind: MemoryKind
+    pairs: list[tuple[RegionAt, RegionAt]]  # (remote, local)
+    remote_blocks: np.ndarray
+    local_blocks: np.ndarray
+    descriptors: int  # one per block run and region pair
+
+    def indices(self) -> tuple[np.ndarray, np.ndarray]:
+        """NIXL descriptor indices (local, remote) for the whole group."""
+        local = np.concatenate([self.local_blocks + lo.base for _, lo in self.pairs])
+        remote = np.concatenate([self.remote_blocks + r.base for r, _ in self.pairs])
+        return local.astype(np.int32), remote.astype(np.int32)
+
+
+def plan_reads(splits: Sequence[ReadSplit], remote_regions: Mapping[str, RegionAt],
+               local_regions: Mapping[str, RegionAt], peer: str, me: str) -> list[ReadGroup]:
+    """The transfers a READ needs: one per (split, local kind, remote kind).
+
+    Refuses impossible READs (no runs, blocks outside a region, a region
+    missing on either side, block sizes that differ) before anything is posted.
+    """
+    groups: list[ReadGroup] = []
+    for split in splits:
+        runs = _as_array(split.runs)
+        if not len(runs) or not split.regions:
+            raise InvalidRead(f"{me}: a READ split needs block runs and regions")
+        rs, ls, cs = runs[:, 0], runs[:, 1], runs[:, 2]
+        if (cs <= 0).any() or (rs < 0).any() or (ls < 0).any():
+            raise InvalidRead(f"{me}: runs need count > 0 and starts >= 0")
+        r_end, l_end = int((rs + cs).max()), int((ls + cs).max())
+        r_blocks, l_blocks = _expand(rs, ls, cs)
+        by_kind: dict[tuple[MemoryKind, MemoryKind], ReadGroup] = {}
+        for remote_name, local_name in split.regions:
+            remote = remote_regions.get(remote_name)
+            local = local_regions.get(local_name)
+            if remote is None:
+                raise RegionMismatch(f"peer {peer!r} has no region {remote_name!r}")
+            if local is None:
+                raise RegionMismatch(f"{me} has no region {local_name!r}")
+            if remote.block_bytes != local.block_bytes:
+                raise RegionMismatch(f"{remote_name!r} -> {local_name!r}: block_bytes "
+                                     f"{remote.block_bytes} on {peer}, "
+                                     f"{local.block_bytes} here")
+            if r_end > remote.num_blocks or l_end > local.num_blocks:
+                raise InvalidRead(f"{remote_name!r} -> {local_name!r}: runs reach block "
+                                  f"{max(r_end, l_end) - 1}, regions hold "
+                                  f"{remote.num_blocks} remote / {local.num_blocks} local")
+            # One transfer per split and kind pair: a NIXL descriptor list has one
+            # memory kind, and a split (say, the GPU tail) stays one transfer.
+            group = by_kind.get((local.kind, remote.kind))
+            if group is None:
+                group = by_kind[(local.kind, remote.kind)] = ReadGroup(
+                    local.kind, remote.kind, [], r_blocks, l_blocks, 0)
+            group.pairs.append((remote, local))
+            group.descriptors += len(cs)
+        groups.extend(by_kind.values())
+    return groups
+
+
+def _as_array(runs: tuple[BlockRun, ...] | np.ndarray) -> np.ndarray:
+    if isinstance(runs, np.ndarray):
+        if runs.ndim != 2 or runs.shape[1] != 3:
+            raise InvalidRead(f"runs: expected an (n, 3) array, found shape {runs.shape}")
+        return runs.astype(np.int64, copy=False)
+    flat = np.fromiter((x for r in runs for x in (r.remote_start, r.local_start, r.count)),
+                       dtype=np.int64, count=3 * len(runs))
+    return flat.reshape(-1, 3)
+
+
+def _expand(rs: np.ndarray, ls: np.ndarray, cs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-block remote and local ids of runs ``(rs, ls, cs)``, in run order."""
+    total = int(cs.sum())
+    if total == len(cs):  # every run is one block (a shuffled READ): nothing to expand
+        return rs, ls
+    within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(cs) - cs, cs)
+    return np.repeat(rs, cs) + within, np.repeat(ls, cs) + within
