@@ -26,6 +26,7 @@ from kvhandoff.adapters.vllm.tiny_model import write_tiny_llama  # noqa: E402
 from kvhandoff.core.log import read_log  # noqa: E402
 
 LEASE_S = 4.0
+HANDSHAKE_S = 2.0
 OUT = 8
 
 pytestmark = pytest.mark.timeout(600)
@@ -38,7 +39,7 @@ def pair(tmp_path_factory):
     pd = PDPair(PDConfig(
         model_dir=str(model), connector="kvhandoff", workdir=str(work), tag="e2e",
         extra_config={"lease_s": LEASE_S, "heartbeat_interval_s": 0.5, "lease_margin_s": 0.3,
-                      "read_timeout_s": 20.0},
+                      "read_timeout_s": 20.0, "handshake_timeout_s": HANDSHAKE_S},
         d_extra_config={"debug_read_delay_param": True},
     ))
     try:
@@ -200,6 +201,21 @@ def test_malformed_params_fail_that_request_engines_keep_serving(pair, case):
     assert kinds(p_evs).count("freed") == 1
     if case in ("negative_block", "out_of_range_block", "wrong_block_count", "missing_field"):
         assert "release_notified" in kinds(p_evs)
+
+
+def test_an_unreachable_p_fails_only_its_request_and_stalls_nothing(pair):
+    from kvhandoff.adapters.vllm.cluster import free_port
+
+    slow_prompt, good = prompts_for(2, 220, 220, seed=21)
+    (ref,) = reference(pair, [good])
+    (bad_rid, good_rid), (bad_params, good_params) = prefill(pair, [slow_prompt, good], "nowhere")
+    pair.d.add(bad_rid, slow_prompt, OUT, {**bad_params, "remote_port": free_port()})
+    pair.d.add(good_rid, good, OUT, good_params)
+    done = pair.d.wait_done([bad_rid, good_rid])
+    assert done[good_rid]["token_ids"] == ref
+    assert done[good_rid]["e2e_ms"] < HANDSHAKE_S * 1e3 / 2, "the handshake stalled the engine"
+    assert done[bad_rid]["finish_reason"] == "error"
+    assert done[bad_rid]["e2e_ms"] >= HANDSHAKE_S * 1e3 * 0.9
 
 
 def test_the_same_transfer_params_twice_are_read_once(pair):

@@ -8,7 +8,9 @@ inside `start_step` / `finish_step`.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -67,39 +69,86 @@ class IncomingHandoff:
     bytes: int = 0
     timed_out: bool = False
     held: list[tuple[float, int, bool, str]] = field(default_factory=list)
+    parked: bool = False  # waiting for the handshake with its P
+    pending_read: tuple[list[list[int]], bool] | None = None  # a read that arrived while parked
+    cancelled: bool = False
 
 
 
 class ConsumerHalf:
-    def _peer_for(self, remote: RemotePrefill, now: float) -> ProducerLink:
+    def _peer_for(self, remote: RemotePrefill, now: float) -> ProducerLink | None:
+        """The link to ``remote``'s P rank, or None while the handshake runs (started here).
+
+        Handshakes run on a thread: an unreachable or hostile address costs
+        that request ``handshake_timeout_s``, never the engine loop.  A failed
+        address is refused for 10 s without trying again.
+        """
         key = (remote.host, remote.port + self.rank)
         peer = self._peers.get(key)
         if peer is not None:
             return peer
         refused = self._refused.get(key)
         if refused is not None and now - refused[0] < 10.0:
-            raise MalformedTransferParams(f"P at {key[0]}:{key[1]} unreachable: {refused[1]}")
+            raise MalformedTransferParams(f"P at {key[0]}:{key[1]}: {refused[1]}")
+        if key not in self._handshakes:
+            box: dict[str, Any] = {"done": threading.Event()}
+            self._handshakes[key] = box
+            threading.Thread(target=self._handshake, args=(key, self.transport.metadata(), box),
+                             name="kvhandoff-handshake", daemon=True).start()
+        return None
+
+    def _handshake(self, key: tuple[str, int], metadata: bytes, box: dict[str, Any]) -> None:
         try:
-            hello, md = handshake(remote.host, remote.port + self.rank, self.engine_id, self.rank,
-                                  self.compat, self.transport.metadata(), self.cfg.handshake_timeout_s)
-            agent = self.transport.add_peer(md)
-        except GeometryMismatch:
-            raise
-        except Exception as exc:
-            self._refused[key] = (now, f"{type(exc).__name__}: {exc}")
-            raise MalformedTransferParams(f"handshake with {key[0]}:{key[1]} failed: {exc}") from None
-        peer = ProducerLink(hello["engine_id"], agent, int(hello["compat"].get("num_blocks", 0)),
-                     int(hello["compat"].get("tp_size", 0)))
-        self._peers[key] = peer
-        log.info("vllm.worker.producer_connected", producer=peer.engine_id, agent=agent)
-        return peer
+            box["result"] = handshake(key[0], key[1], self.engine_id, self.rank, self.compat,
+                                      metadata, self.cfg.handshake_timeout_s)
+        except Exception as exc:  # handed to the engine thread, which rejects the requests
+            box["error"] = exc
+        box["done"].set()
+
+    def _finish_handshakes(self, now: float) -> None:
+        for key, box in list(self._handshakes.items()):
+            if not box["done"].is_set():
+                continue
+            del self._handshakes[key]
+            error = box.get("error")
+            if error is None:
+                hello, md = box["result"]
+                try:
+                    agent = self.transport.add_peer(md)
+                except Exception as exc:
+                    error = exc
+                else:
+                    self._peers[key] = ProducerLink(
+                        hello["engine_id"], agent, int(hello["compat"].get("num_blocks", 0)),
+                        int(hello["compat"].get("tp_size", 0)))
+                    log.info("vllm.worker.producer_connected", producer=hello["engine_id"],
+                             agent=agent)
+            if error is not None:
+                self._refused[key] = (now, f"handshake failed: {type(error).__name__}: {error}")
+                log.error("vllm.worker.handshake_failed", address=f"{key[0]}:{key[1]}",
+                          error=str(error), error_type=type(error).__name__)
+            for a in self._parked.pop(key, []):
+                inc = self._incoming.get(a.local_id)
+                if inc is None:
+                    continue  # cancelled (and nothing to report) while parked
+                self._admit(a, now)
+                if inc.cancelled:
+                    self._cancel(a.local_id, now)
+                    if inc.read_entry:
+                        self._fail_now.append(a.local_id)  # vLLM kept its pages: report once
+                elif inc.pending_read is not None:
+                    ids, awaiting = inc.pending_read
+                    inc.pending_read = None
+                    self._post_read(a.local_id, ids, awaiting, now)
 
     def _admit(self, a: Admit, now: float) -> None:
         from kvhandoff.adapters.vllm.params import parse_remote_prefill
 
         local_id = a.local_id
-        inc = IncomingHandoff(local_id, None)
-        self._incoming[local_id] = inc
+        inc = self._incoming.get(local_id)
+        if inc is None:
+            inc = self._incoming[local_id] = IncomingHandoff(local_id, None)
+        inc.parked = False
         try:
             if a.error and a.identity is None:
                 raise MalformedTransferParams(a.error)
@@ -113,6 +162,10 @@ class ConsumerHalf:
                 remote = parse_remote_prefill(a.params)
             inc.remote = remote
             peer = self._peer_for(remote, now)
+            if peer is None:
+                inc.parked = True
+                self._parked.setdefault((remote.host, remote.port + self.rank), []).append(a)
+                return
             if peer.engine_id != remote.engine_id:
                 raise GeometryMismatch("remote_engine_id (unknown engine at that address)",
                                        expected=peer.engine_id, found=remote.engine_id)
@@ -184,6 +237,7 @@ class ConsumerHalf:
         inc = self._incoming.get(local_id)
         if inc is None:
             return
+        inc.cancelled = True
         rid = inc.remote.request_id if inc.admitted and inc.remote else None
         rec = self._rec(rid) if rid else None
         if isinstance(rec, ConsumerRecord) and rec.state is not DState.DONE:
@@ -207,6 +261,9 @@ class ConsumerHalf:
             log.error("vllm.worker.read_for_unknown_request", local_request_id=local_id)
             return
         inc.read_entry = awaiting
+        if inc.parked:  # the handshake with its P is still running: post when it is done
+            inc.pending_read = (local_block_ids, awaiting)
+            return
         rid = inc.remote.request_id if inc.admitted and inc.remote else None
         rec = self._rec(rid) if rid else None
         if not isinstance(rec, ConsumerRecord) or rec.state is not DState.VALIDATED:

@@ -94,6 +94,8 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         # D
         self._peers: dict[tuple[str, int], ProducerLink] = {}  # (host, port) -> peer
         self._refused: dict[tuple[str, int], tuple[float, str]] = {}
+        self._handshakes: dict[tuple[str, int], dict[str, Any]] = {}  # address -> running handshake
+        self._parked: dict[tuple[str, int], list[Any]] = {}  # address -> admissions waiting on it
         self._incoming: dict[str, IncomingHandoff] = {}  # local id -> adapter handle
         self._by_remote: dict[str, str] = {}  # P's request id -> local id
         self._fail_now: list[str] = []  # local ids to report failed this step
@@ -202,6 +204,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
             if self.side is Side.P:
                 self._pending_plan = plan
             else:
+                self._finish_handshakes(now)
                 self._d_plan(plan, now)
                 self._d_heartbeats(now)
 
@@ -215,6 +218,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
             if self.side is Side.P:
                 plan, self._pending_plan = self._pending_plan, None
                 return self._p_step(plan, now), set(), set()
+            self._finish_handshakes(now)
             self._d_poll(now)
             self._d_notifs(now)
             self._d_heartbeats(now)
