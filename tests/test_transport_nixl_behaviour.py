@@ -285,6 +285,31 @@ def test_cuda_ipc_handles_survive_the_trip_through_metadata_bytes():
     assert handle_to_hex(handle_from_hex(raw.hex())) == raw.hex()
 
 
+@pytest.mark.parametrize("gap", [0, 64, 3])  # 3: regions off the block grid
+def test_cuda_ipc_gather_jobs_copy_exactly_what_the_pairs_say(gap):
+    from kvhandoff.transports.nixl.cuda_ipc import GatherPair, plan_jobs
+
+    rng = np.random.default_rng(gap)
+    nb, bb, regions = 8, 64, 5
+    src_mem = rng.integers(1, 256, regions * (nb * bb + gap) + bb, dtype=np.uint8)
+    dst_mem = np.zeros_like(src_mem)
+    # memory "addresses" are offsets into src_mem / dst_mem
+    pairs = [GatherPair(r * (nb * bb + gap), 7 * bb + r * (nb * bb + gap), nb, nb, bb)
+             for r in range(regions - 1)]
+    remote, local = np.array([5, 0, 3]), np.array([1, 2, 6])
+    jobs = plan_jobs(pairs, remote, local)
+    assert len(jobs) == (1 if gap % bb == 0 else len(pairs))
+    for job in jobs:  # what the kernel does, in numpy
+        src = src_mem[job.src:job.src + job.src_rows * bb].reshape(job.src_rows, bb)
+        dst = dst_mem[job.dst:job.dst + job.dst_rows * bb].reshape(job.dst_rows, bb)
+        dst[job.local] = src[job.remote]
+    want = np.zeros_like(dst_mem)
+    for p in pairs:
+        for r, lo in zip(remote, local, strict=True):
+            want[p.dst + lo * bb:p.dst + (lo + 1) * bb] = src_mem[p.src + r * bb:p.src + (r + 1) * bb]
+    assert np.array_equal(dst_mem, want)
+
+
 def test_ucx_defaults_are_set_unless_the_user_set_them():
     env = {"UCX_CUDA_IPC_ENABLE_SAME_PROCESS": "n"}
     with capture_logs() as logs:

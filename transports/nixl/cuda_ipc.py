@@ -199,11 +199,49 @@ class GatherRead:
         return bool(self.event.query())
 
 
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """One kernel: rows ``remote`` of the source view into rows ``local`` of the destination."""
+
+    src: int
+    src_rows: int
+    dst: int
+    dst_rows: int
+    block_bytes: int
+    remote: np.ndarray
+    local: np.ndarray
+
+
+def plan_jobs(pairs: Sequence[GatherPair], remote_blocks: np.ndarray,
+              local_blocks: np.ndarray) -> list[_Job]:
+    """As few kernels as the layout allows: usually one for every region pair.
+
+    Region pairs with one block size whose regions sit at whole-block offsets
+    from each other (per-layer views of one KV allocation, the usual layout)
+    become rows of one view per side, so a READ over 56 regions is one
+    ``index_select``, not 56.  Rows between the regions are never touched:
+    only indexed rows are read or written.  Otherwise: one kernel per pair.
+    """
+    bb = pairs[0].block_bytes
+    sbase, dbase = min(p.src for p in pairs), min(p.dst for p in pairs)
+    if all(p.block_bytes == bb and (p.src - sbase) % bb == 0 and (p.dst - dbase) % bb == 0
+           for p in pairs):
+        soff = [(p.src - sbase) // bb for p in pairs]
+        doff = [(p.dst - dbase) // bb for p in pairs]
+        return [_Job(sbase, max(o + p.src_blocks for o, p in zip(soff, pairs, strict=True)),
+                     dbase, max(o + p.dst_blocks for o, p in zip(doff, pairs, strict=True)), bb,
+                     np.concatenate([remote_blocks + o for o in soff]),
+                     np.concatenate([local_blocks + o for o in doff]))]
+    return [_Job(p.src, p.src_blocks, p.dst, p.dst_blocks, p.block_bytes, remote_blocks,
+                 local_blocks) for p in pairs]
+
+
 class Gatherer:
-    """Launches gathers on one side stream per device."""
+    """Launches gathers on one side stream per device; caches tensor views of memory."""
 
     def __init__(self) -> None:
         self._streams: dict[int, Any] = {}
+        self._views: dict[tuple, Any] = {}
 
     def gather(self, device: int, pairs: Sequence[GatherPair], remote_blocks: np.ndarray,
                local_blocks: np.ndarray) -> GatherRead:
@@ -212,35 +250,45 @@ class Gatherer:
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device)
         dev = torch.device("cuda", device)
-        ridx = torch.from_numpy(np.ascontiguousarray(remote_blocks, dtype=np.int64))
-        lidx_np = np.ascontiguousarray(local_blocks, dtype=np.int64)
-        contiguous = bool(len(lidx_np)) and bool((np.diff(lidx_np) == 1).all())
         with torch.cuda.stream(stream):
-            ridx = ridx.to(dev, non_blocking=False)
-            lidx = None if contiguous else torch.from_numpy(lidx_np).to(dev)
-            for pair in pairs:
-                word = _word(pair)
-                src = _view(torch, dev, pair.src, pair.src_blocks, pair.block_bytes, word)
-                dst = _view(torch, dev, pair.dst, pair.dst_blocks, pair.block_bytes, word)
-                if contiguous:  # the common case: local blocks in order, no temporary
-                    start = int(lidx_np[0])
-                    torch.index_select(src, 0, ridx, out=dst[start:start + len(lidx_np)])
+            for job in plan_jobs(pairs, np.asarray(remote_blocks, dtype=np.int64),
+                                 np.asarray(local_blocks, dtype=np.int64)):
+                word = _word(job.block_bytes, job.src, job.dst)
+                src = self._view(torch, dev, job.src, job.src_rows, job.block_bytes, word)
+                dst = self._view(torch, dev, job.dst, job.dst_rows, job.block_bytes, word)
+                ridx = torch.from_numpy(np.ascontiguousarray(job.remote)).to(dev)
+                lo = job.local
+                if len(lo) and lo[-1] - lo[0] == len(lo) - 1 and (np.diff(lo) == 1).all():
+                    # local rows in order (the common case): straight into place
+                    start = int(lo[0])
+                    torch.index_select(src, 0, ridx, out=dst[start:start + len(lo)])
                 else:
+                    lidx = torch.from_numpy(np.ascontiguousarray(lo)).to(dev)
                     dst.index_copy_(0, lidx, src.index_select(0, ridx))
             event = torch.cuda.Event()
             event.record(stream)
         return GatherRead(event)
 
+    def forget(self) -> None:
+        """Drop cached views (after memory was unmapped)."""
+        self._views.clear()
 
-def _word(pair: GatherPair) -> Any:
+    def _view(self, torch: Any, dev: Any, ptr: int, rows: int, block_bytes: int,
+              word: Any) -> Any:
+        key = (dev.index, ptr, rows, block_bytes, word)
+        t = self._views.get(key)
+        if t is None:
+            if len(self._views) > 1024:  # views own no memory; just keep the dict small
+                self._views.clear()
+            t = torch.as_tensor(_Memory(ptr, rows * block_bytes), device=dev)
+            t = self._views[key] = t.view(word).view(rows, -1)
+        return t
+
+
+def _word(block_bytes: int, src: int, dst: int) -> Any:
     import torch
 
     for size, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
-        if pair.block_bytes % size == 0 and pair.src % size == 0 and pair.dst % size == 0:
+        if block_bytes % size == 0 and src % size == 0 and dst % size == 0:
             return dtype
     return torch.uint8
-
-
-def _view(torch: Any, dev: Any, ptr: int, blocks: int, block_bytes: int, word: Any) -> Any:
-    t = torch.as_tensor(_Memory(ptr, blocks * block_bytes), device=dev)
-    return t.view(word).view(blocks, -1)

@@ -527,6 +527,7 @@ class NixlTransport:
 
     def _drop_peer(self, p: _Peer) -> None:
         if p.ipc is not None:
+            self._gatherer.forget()  # cached views of the memory about to be unmapped
             p.ipc.close()
             p.ipc = None
         for dlist in p.side.dlists.values():
