@@ -1,0 +1,169 @@
+"""The connector's worker halves without vLLM: a P and a D worker over the real NIXL transport.
+
+Both workers live in this process and are driven the way vLLM drives them
+(``start_step`` with the scheduler's plan, then ``finish_step``), with
+KV-cache-shaped tensors: host memory here, CUDA memory when
+``KVH_WORKER_DEVICE=cuda`` (run on a GPU machine).  Seconds, not minutes:
+this is where the hand-off's bytes and event logs are checked in detail.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("nixl")
+
+from kvhandoff.adapters.vllm.config import HandoffConfig  # noqa: E402
+from kvhandoff.adapters.vllm.demo import analyse_logs  # noqa: E402
+from kvhandoff.adapters.vllm.metadata import Admit, Export, Read, StepPlan  # noqa: E402
+from kvhandoff.adapters.vllm.params import RemotePrefill  # noqa: E402
+from kvhandoff.adapters.vllm.worker import HandoffWorker  # noqa: E402
+from kvhandoff.core import messages  # noqa: E402
+from kvhandoff.core.events import Side  # noqa: E402
+from kvhandoff.core.log import read_log  # noqa: E402
+
+DEVICE = os.environ.get("KVH_WORKER_DEVICE", "cpu")
+BLOCK = 16
+LAYERS, HEADS, HEAD = 4, 8, 128
+NUM_BLOCKS = 64
+COMPAT = {"model": "test", "dtype": "torch.float16", "block_size": BLOCK, "num_kv_heads": HEADS,
+          "head_size": HEAD, "num_layers": LAYERS, "tp_size": 1}
+LEASE = 3.0
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _caches(fill: bool) -> dict[str, object]:
+    gen = torch.Generator().manual_seed(1)
+    out = {}
+    for i in range(LAYERS):
+        shape = (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD)  # block-major, like vLLM's LBHNC
+        t = (torch.randn(shape, generator=gen).half() if fill else torch.zeros(shape).half())
+        out[f"model.layers.{i}.self_attn.attn"] = t.to(DEVICE)
+    return out
+
+
+@pytest.fixture
+def workers(tmp_path):
+    port = _port()
+    extra = {"lease_s": LEASE, "heartbeat_interval_s": 0.3, "lease_margin_s": 0.2,
+             "log_dir": str(tmp_path), "side_channel_port": port, "read_timeout_s": 10.0,
+             "debug_read_delay_param": True}
+    p = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "P-w", Side.P, 0, 1, COMPAT)
+    d = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "D-w", Side.D, 0, 1, COMPAT)
+    pc, dc = _caches(True), _caches(False)
+    p.register_kv_caches(pc)
+    d.register_kv_caches(dc)
+    yield p, d, pc, dc, port
+    d.close()
+    p.close()
+
+
+def _export(p: HandoffWorker, rid: str, n: int, token: str) -> None:
+    p.start_step(StepPlan(prefill_started=[rid]))
+    p.finish_step()
+    p.start_step(StepPlan(exports=[Export(rid, n, token)]))
+    p.finish_step()
+
+
+def _params(rid: str, port: int, blocks: tuple[int, ...], token: str, **kw) -> dict:
+    r = RemotePrefill("P-w", rid, "127.0.0.1", port, 1, blocks, len(blocks) * BLOCK, LEASE,
+                      token=token, **kw)
+    return r.to_wire()
+
+
+def _pump(p, d, until, timeout=10.0):
+    """Step both workers until ``until(sent, recved, failed)`` holds; return what they reported."""
+    sent, recved, failed = set(), set(), set()
+    deadline = time.monotonic() + timeout
+    while not until(sent, recved, failed):
+        assert time.monotonic() < deadline, (sent, recved, failed)
+        s, _, _ = p.finish_step()
+        _, r, f = d.finish_step()
+        assert not (s & sent) and not (r & recved), "reported twice"
+        sent |= s
+        recved |= r
+        failed |= f
+        time.sleep(0.002)
+    return sent, recved, failed
+
+
+def _same(pc, dc, remote, local) -> bool:
+    return all(torch.equal(pc[k][list(remote)].cpu(), dc[k][list(local)].cpu()) for k in pc)
+
+
+def test_bytes_arrive_and_p_frees_once_on_the_release(workers):
+    p, d, pc, dc, port = workers
+    _export(p, "r1", 3, "tok-1")
+    d.start_step(StepPlan(admits=[Admit("L1", _params("r1", port, (5, 9, 10), "tok-1"), "", 3 * BLOCK)]))
+    d.start_step(StepPlan(reads=[Read("L1", [[1, 2, 3]])]))
+    sent, recved, failed = _pump(p, d, lambda s, r, f: "r1" in s and "L1" in r)
+    assert failed == set()
+    assert _same(pc, dc, (5, 9, 10), (1, 2, 3))
+    assert not any(dc[k][4:].abs().sum().item() for k in dc)  # nothing else written
+    a = analyse_logs([p.flush(), d.flush()])
+    assert a["replay_violations"] == 0 and a["p_frees"] == 1 and a["double_frees"] == 0
+    d_kinds = [e.kind for e in read_log(d.log_path)]
+    assert d_kinds.index("lease_acknowledged") < d_kinds.index("finished_recving")
+
+
+def test_cancel_mid_read_keeps_heartbeating_until_the_read_drains(workers):
+    p, d, pc, dc, port = workers
+    _export(p, "r2", 2, "tok-2")
+    params = _params("r2", port, (7, 8), "tok-2", debug_read_delay_s=LEASE * 1.5)
+    d.start_step(StepPlan(admits=[Admit("L2", params, "", 2 * BLOCK)], reads=[Read("L2", [[20, 21]])]))
+    t_end = time.monotonic() + 0.3
+    _pump(p, d, lambda s, r, f: time.monotonic() > t_end)  # admitted, READ posted
+    d.start_step(StepPlan(cancels=["L2"]))  # the client went away while the READ is in flight
+    sent, recved, _ = _pump(p, d, lambda s, r, f: "r2" in s and "L2" in r, timeout=LEASE * 3)
+    p_events = [e for e in read_log(p.flush()) if e.request_id == "r2"]
+    kinds = [e.kind for e in p_events]
+    assert "lease_expired" not in kinds and kinds.count("freed") == 1
+    assert kinds.count("heartbeat_received") >= 5
+    assert _same(pc, dc, (7, 8), (20, 21))
+
+
+def test_a_release_without_the_token_frees_nothing(workers):
+    p, d, pc, dc, port = workers
+    _export(p, "r3", 1, "tok-3")
+    # A stray engine that knows the request id but not the token.
+    d.start_step(StepPlan(admits=[Admit("L3", _params("r3", port, (3,), "tok-3"), "", BLOCK)]))
+    _pump(p, d, lambda s, r, f: bool(d._peers), timeout=5)
+    peer = next(iter(d._peers.values())).agent
+    with d.lock:
+        d.transport.send_notif(peer, messages.encode(messages.Release("r3", "intruder", 0, "guess")))
+    time.sleep(0.2)
+    s, _, _ = p.finish_step()
+    assert "r3" not in s
+    rec = p.state.record(p.stream, "r3")
+    assert rec.state.value == "EXPORTED"
+    # The real consumer still reads and releases it.
+    d.start_step(StepPlan(reads=[Read("L3", [[30]])]))
+    _pump(p, d, lambda s, r, f: "r3" in s and "L3" in r)
+    assert _same(pc, dc, (3,), (30,))
+
+
+def test_bad_geometry_is_rejected_with_a_notify_only_release(workers):
+    p, d, pc, dc, port = workers
+    _export(p, "r4", 2, "tok-4")
+    params = _params("r4", port, (1, NUM_BLOCKS + 5), "tok-4")  # beyond P's pool
+    d.start_step(StepPlan(admits=[Admit("L4", params, "", 2 * BLOCK)]))
+    _pump(p, d, lambda s, r, f: bool(d._peers), timeout=5)
+    d.start_step(StepPlan(reads=[Read("L4", [[40, 41]])]))
+    sent, recved, failed = _pump(p, d, lambda s, r, f: "r4" in s and "L4" in r)
+    assert failed == {"L4"}
+    d_events = [e for e in read_log(d.flush()) if e.request_id == "r4"]
+    assert [e.kind for e in d_events if e.kind in ("rejected", "release_sent", "reads_posted")] == [
+        "rejected", "release_sent"]
+    assert next(e for e in d_events if e.kind == "release_sent").notify_only
+    assert "remote_block_ids" in next(e for e in d_events if e.kind == "rejected").reason
+    assert not any(dc[k].abs().sum().item() for k in dc)
