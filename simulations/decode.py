@@ -158,10 +158,12 @@ class DecodeEngine:
         for req, params in self.inbox:
             self._admit(req, params, now)
         self.inbox.clear()
-        more = self._post_reads(now)
+        self._post_reads(now)
+        free_before = self.pool.free_blocks
         self._report(now, lost)
         self._heartbeat(now)
-        return more
+        # Pages freed by drained imports may let waiting ones post: step again.
+        return bool(self.waiting) and self.pool.free_blocks > free_before
 
     def _on_notification(self, message: bytes, now: float) -> None:
         try:
@@ -217,6 +219,8 @@ class DecodeEngine:
                 raise GeometryMismatch("number of remote blocks", params.num_blocks, len(ids))
             if params.remote_ranks != tuple(range(cfg.tp)):
                 raise GeometryMismatch("remote TP ranks", tuple(range(cfg.tp)), params.remote_ranks)
+            if len(ids) > self.pool.num_blocks:  # it would wait for pages forever
+                raise GeometryMismatch("pages needed", f"<= {self.pool.num_blocks}", len(ids))
         except GeometryMismatch as e:
             self.ledger.record(Rejected, rid, now, reason=str(e))
             self._finish_without_reads(req, rid, "rejected", now)
@@ -227,7 +231,7 @@ class DecodeEngine:
             return
         self.waiting[rid] = Import(req, params, ids)
 
-    def _post_reads(self, now: float) -> bool:
+    def _post_reads(self, now: float) -> None:
         posted = []
         for rid, imp in self.waiting.items():
             local = self.pool.allocate(len(imp.remote_ids))
@@ -252,7 +256,6 @@ class DecodeEngine:
             self.on_phase(imp.req, "reads_posted")
         for rid in posted:
             del self.waiting[rid]
-        return False
 
     def _report(self, now: float, lost) -> None:
         cfg = self.cfg
