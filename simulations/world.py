@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -61,14 +62,6 @@ class RunResult:
     clock_steps: int = 0
 
 
-@dataclass
-class _Outcomes:
-    counts: dict[str, int] = field(default_factory=dict)
-
-    def add(self, outcome: str) -> None:
-        self.counts[outcome] = self.counts.get(outcome, 0) + 1
-
-
 class World:
     def __init__(self, cfg: RunConfig) -> None:
         cfg.validate()
@@ -93,7 +86,7 @@ class World:
         owners.update({a.name: self.d.loop for a in self.d.agents})
         self.net.on_deliver = lambda name: (loop := owners.get(name)) and loop.wake()
         self.requests: list[SimRequest] = []
-        self.outcomes = _Outcomes()
+        self.outcomes: Counter[str] = Counter()  # how client requests ended
         self._plan()
 
     # -- sinks: the engines' event logs ----------------------------------------
@@ -193,7 +186,7 @@ class World:
     def _forward(self, req: SimRequest, params: TransferParams) -> None:
         if req.cancelled:
             req.stage = "done"
-            self.outcomes.add("orphaned")
+            self.outcomes["orphaned"] += 1
             req.outcome = "orphaned"
             return
         if self.d.loop.dead:
@@ -234,7 +227,7 @@ class World:
             return
         req.outcome = outcome
         req.stage = "done"
-        self.outcomes.add(outcome)
+        self.outcomes[outcome] += 1
         self._maybe_cancel(req, "finished")
 
     # -- crashes --------------------------------------------------------------------
@@ -271,7 +264,7 @@ class World:
 
     def result(self) -> RunResult:
         cfg, p, d, net = self.cfg, self.p, self.d, self.net
-        counts = self.outcomes.counts
+        counts = self.outcomes
         stuck = sum(1 for r in self.requests if not r.outcome)
         leaks = 0
         if not p.loop.dead:
