@@ -1,4 +1,4 @@
-"""Same-node VRAM-to-VRAM READs as one gather kernel per region pair, over CUDA IPC.
+"""Same-node VRAM-to-VRAM READs as gather kernels over CUDA IPC.
 
 Why: UCX's cuda_ipc transport turns every descriptor of a READ into its own
 ``cuMemcpyDtoDAsync`` plus event bookkeeping, ~8-10 µs of CPU each on an
@@ -8,8 +8,9 @@ The descriptors' bytes are never the problem; their count is.  UCX itself
 reaches the source through exactly the same mechanism (CUDA IPC: the
 source's allocation mapped into the reader's address space), so when both
 agents are on one node this module maps the source's allocations once per
-peer and copies a whole READ split with one ``index_select`` kernel per
-region pair on a side stream: no per-descriptor CPU work at all.
+peer and copies a whole READ split with ``index_select`` on a side stream,
+usually one kernel for all its region pairs (`plan_jobs`): no per-descriptor
+CPU work at all.
 
 What stays with NIXL: metadata, notifications (including the completion
 notification, sent after the kernel's event fired), host memory, VRAM to

@@ -26,7 +26,7 @@ Theory of operation
 * **Same-node VRAM.**  UCX posts one GPU copy per descriptor (~8-10 µs of CPU
   each on an H200), which makes shuffled READs of small blocks CPU-bound.
   When both agents are on one node, a VRAM-to-VRAM group is instead copied
-  by one gather kernel per region pair over CUDA IPC (`cuda_ipc`); its
+  by gather kernels over CUDA IPC (`cuda_ipc`, usually one per READ); its
   completion is a CUDA event polled like a NIXL transfer.  Everything else
   (host memory, other nodes, ``NixlOptions(vram_ipc=False)``) is NIXL.
 * **Completion notification.**  With a single NIXL transfer the notification
