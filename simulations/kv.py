@@ -12,6 +12,7 @@ one numpy operation.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,11 +29,15 @@ def rank_memory(regions: int, blocks: int, block_bytes: int) -> tuple[list[KVReg
     return regs, buf.view(np.uint64)
 
 
+@functools.cache
+def _offsets(regions: int, count: int) -> np.ndarray:
+    return ((np.arange(regions, dtype=np.uint64)[:, None] << np.uint64(14))
+            + np.arange(count, dtype=np.uint64)[None, :])
+
+
 def tokens(serial: int, rank: int, regions: int, count: int) -> np.ndarray:
     """``(regions, count)`` tokens: what blocks ``0..count-1`` of a request hold."""
-    base = _TAG | (serial << 20) | (rank << 17)
-    return (base + (np.arange(regions, dtype=np.uint64)[:, None] << np.uint64(14))
-            + np.arange(count, dtype=np.uint64)[None, :])
+    return _offsets(regions, count) + np.uint64(_TAG | (serial << 20) | (rank << 17))
 
 
 def write(words: np.ndarray, ids: Sequence[int], serial: int, rank: int) -> None:
