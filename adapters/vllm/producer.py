@@ -111,18 +111,21 @@ class ProducerHalf:
         except Exception as exc:
             log.warning("vllm.worker.ack_failed", peer=peer, error=str(exc))
 
-    def _p_step(self, plan: StepPlan | None, now: float) -> set[str]:
-        if plan is not None:
-            for rid in plan.prefill_started:
-                self._record(PrefillStarted, rid, now)
-            for ex in plan.exports:
-                if self._record(Exported, ex.request_id, now, lease_s=self.cfg.lease_s,
-                                consumer_ranks=(self.rank,), num_blocks=ex.num_blocks,
-                                token=ex.token):
-                    self._count("leases_exported")
-            for rid in plan.aborted:
-                if self._record(Aborted, rid, now, reason="finished on P before export"):
-                    self._record(Freed, rid, now)  # vLLM freed these blocks itself
+    def _p_plan(self, plan: StepPlan, now: float) -> None:
+        """What the scheduler saw this step: prefills started, exported, aborted."""
+        for rid in plan.prefill_started:
+            self._record(PrefillStarted, rid, now)
+        for ex in plan.exports:
+            if self._record(Exported, ex.request_id, now, lease_s=self.cfg.lease_s,
+                            consumer_ranks=(self.rank,), num_blocks=ex.num_blocks,
+                            token=ex.token):
+                self._count("leases_exported")
+        for rid in plan.aborted:
+            if self._record(Aborted, rid, now, reason="finished on P before export"):
+                self._record(Freed, rid, now)  # vLLM freed these blocks itself
+
+    def _p_step(self, now: float) -> set[str]:
+        """Answer notifications, reap expired leases, free; the ids vLLM may free now."""
         self._p_handle_notifs(now)
         for rid in expired_leases(self.state, self.stream, now):
             if self._record(LeaseExpired, rid, now):

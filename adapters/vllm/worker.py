@@ -202,13 +202,11 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         with self.lock:
             now = time.monotonic()
             if self.side is Side.P:
-                self._pending_plan = plan
+                self._p_plan(plan, now)
             else:
                 self._finish_handshakes(now)
                 self._d_plan(plan, now)
                 self._d_heartbeats(now)
-
-    _pending_plan: StepPlan | None = None
 
     def finish_step(self) -> tuple[set[str], set[str], set[str]]:
         """``get_transfer_results``: (finished_sending, finished_recving, failed_recving)."""
@@ -216,8 +214,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
             now = time.monotonic()
             self._prune(now)
             if self.side is Side.P:
-                plan, self._pending_plan = self._pending_plan, None
-                return self._p_step(plan, now), set(), set()
+                return self._p_step(now), set(), set()
             self._finish_handshakes(now)
             self._d_poll(now)
             self._d_notifs(now)
