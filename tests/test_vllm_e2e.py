@@ -27,6 +27,7 @@ from kvhandoff.core.log import read_log  # noqa: E402
 
 LEASE_S = 4.0
 HANDSHAKE_S = 2.0
+READ_TIMEOUT_S = 12.0
 OUT = 8
 
 pytestmark = pytest.mark.timeout(600)
@@ -39,7 +40,7 @@ def pair(tmp_path_factory):
     pd = PDPair(PDConfig(
         model_dir=str(model), connector="kvhandoff", workdir=str(work), tag="e2e",
         extra_config={"lease_s": LEASE_S, "heartbeat_interval_s": 0.5, "lease_margin_s": 0.3,
-                      "read_timeout_s": 20.0, "handshake_timeout_s": HANDSHAKE_S},
+                      "read_timeout_s": READ_TIMEOUT_S, "handshake_timeout_s": HANDSHAKE_S},
         d_extra_config={"debug_read_delay_param": True},
     ))
     try:
@@ -300,3 +301,28 @@ def test_bad_connector_settings_refuse_engine_start(tmp_path):
         assert "ConnectorConfigError" in log and "'lease'" in log
     finally:
         h.kill()
+
+
+def test_p_crash_mid_read_fails_the_request_in_bounded_time(pair):
+    """D never serves bytes it cannot prove P still held: P dies, the request fails, D serves on."""
+    (prompt,) = prompts_for(1, 250, 250, seed=22)
+    (rid,), (params,) = prefill(pair, [prompt], "p-crash")
+    slow = LEASE_S * 1.5  # the bytes are held past what P's last answer vouches for
+    pair.d.add(rid, prompt, OUT, {**params, DEBUG_DELAY_KEY: slow})
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    pair.restart_p(crash=True)
+    out = pair.d.wait_done([rid], timeout_s=READ_TIMEOUT_S + slow + 30)[rid]
+    assert out["finish_reason"] == "error" and out["token_ids"] == []
+    assert time.monotonic() - t0 < READ_TIMEOUT_S + slow + 20
+    d_evs = d_events(pair, params["remote_request_id"])
+    k = kinds(d_evs)
+    assert "split_completed" in k and "finished_recving" in k
+    release = next(e for e in d_evs if e.kind == "release_sent")
+    assert release.notify_only  # FAILED, not RECEIVED: the bytes were refused
+    # D serves the restarted P.
+    (good,) = prompts_for(1, 200, 200, seed=23)
+    (ref,) = reference(pair, [good])
+    (rid2,), (params2,) = prefill(pair, [good], "after-p-crash")
+    pair.d.add(rid2, good, OUT, params2)
+    assert pair.d.wait_done([rid2])[rid2]["token_ids"] == ref

@@ -244,6 +244,11 @@ class PDPair:
         self.d = self._start("decode", name, self.cfg.d_extra_config)
         self.d.wait_ready()
 
+    def restart_p(self, crash: bool = True) -> None:
+        (self.p.kill if crash else self.p.stop)()
+        self.p = self._start("prefill", self.p.spec.name + "r", self.cfg.p_extra_config)
+        self.p.wait_ready()
+
     def wait_ready(self, timeout_s: float = 600.0, on_ready: Callable[[str], None] | None = None) -> None:
         for h in (self.p, self.d):
             h.wait_ready(timeout_s)
