@@ -27,7 +27,7 @@ def _check_liveness(world: World, result) -> None:
     assert m["served"] + m["failed"] + m["rejected"] + m["cancelled"] == m["requests"]
 
 
-@given(scenario=st.sampled_from([s for s in names() if s != "release_from_wrong_peer"]),
+@given(scenario=st.sampled_from(names()),
        seed=st.integers(min_value=0, max_value=2**32 - 1))
 def test_any_scenario_any_seed_is_safe_at_every_step_and_live_at_the_end(scenario, seed):
     world = World(build(scenario, seed))
