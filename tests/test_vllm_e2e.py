@@ -115,6 +115,26 @@ def test_tokens_equal_single_engine_reference(pair):
         assert "release_notified" in kinds(freed) and "lease_expired" not in kinds(freed)
 
 
+def _d_bytes_read(pd: PDPair) -> int:
+    return sum(v.get("bytes_read", 0) for v in pd.d.stats().values())
+
+
+def test_a_local_prefix_hit_on_d_reads_only_the_rest(pair):
+    first, other = prompts_for(2, 300, 300, seed=24)
+    second = first[:256] + other[:100]  # shares two 128-token blocks with ``first``
+    ref_first, ref_second = reference(pair, [first, second])
+    (r1,), (p1,) = prefill(pair, [first], "prefix-a")
+    pair.d.add(r1, first, OUT, p1)
+    assert pair.d.wait_done([r1])[r1]["token_ids"] == ref_first
+    before = _d_bytes_read(pair)
+    (r2,), (p2,) = prefill(pair, [second], "prefix-b")
+    pair.d.add(r2, second, OUT, p2)
+    assert pair.d.wait_done([r2])[r2]["token_ids"] == ref_second
+    per_block = 2 * 2 * 128 * 2 * 64 * 4  # layers x KV heads x tokens x (K|V) x head x fp32
+    assert _d_bytes_read(pair) - before == (3 - 2) * per_block  # 3 blocks, 2 held locally
+    assert kinds(wait_freed(pair, p2["remote_request_id"], LEASE_S + 5)).count("freed") == 1
+
+
 def test_control_d_follows_p_kv_not_its_own_prompt(pair):
     (prompt,) = prompts_for(1, 300, 300, seed=12)
     perturbed = list(prompt)

@@ -125,8 +125,10 @@ def _request(rid, prompt_len=300, params=None, status=None):
                            num_computed_tokens=prompt_len, status=status)
 
 
-def _blocks(ids):
-    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+def _blocks(ids, hashed=0):
+    group = [SimpleNamespace(block_id=b, block_hash=("h", b) if i < hashed else None, is_null=False)
+             for i, b in enumerate(ids)]
+    return SimpleNamespace(blocks=(group,), get_block_ids=lambda: (list(ids),))
 
 
 def _sched(producer):
@@ -146,12 +148,22 @@ def test_decode_side_keeps_blocks_only_while_reads_are_in_flight():
     assert s.get_num_new_matched_tokens(inflight, 0) == (0, False)  # one load per request
     plan = s.build_plan()
     assert [a.local_id for a in plan.admits] == ["a", "b", "c"]
-    assert [(r.local_id, r.local_block_ids) for r in plan.reads] == [("b", [[7, 8, 9]]), ("c", [[1, 2, 3]])]
+    assert [(r.local_id, r.local_block_ids, r.skip) for r in plan.reads] == [
+        ("b", [[7, 8, 9]], 0), ("c", [[1, 2, 3]], 0)]
     s.update_connector_output({"c"})
     assert s.request_finished(early, ([],)) == (False, None)  # never read: notify-only
     assert s.request_finished(inflight, ([7, 8, 9],)) == (True, None)  # reads own the pages
     assert s.request_finished(drained, ([1, 2, 3],)) == (False, None)
     assert s.build_plan().cancels == ["a", "b"]
+
+
+def test_a_local_prefix_hit_is_skipped_not_overwritten():
+    s = _sched(producer=False)
+    r = _request("h", params=GOOD.to_wire())
+    s.on_new_request(r)
+    s.update_state_after_alloc(r, _blocks([40, 41, 42], hashed=2), 44)
+    (read,) = s.build_plan().reads
+    assert (read.local_block_ids, read.skip, read.awaiting) == ([[42]], 2, True)
 
 
 def test_malformed_params_still_load_so_the_worker_can_fail_them():

@@ -92,7 +92,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvhandoff-bench-vllm-"))
     model = write_tiny_llama(workdir / "model")
     load_before = os.getloadavg()
-    pairs = {c: PDPair(PDConfig(model_dir=str(model), connector=c, workdir=str(workdir / c), tag=c))
+    # No prefix cache: every request moves its whole prompt, for both connectors.
+    pairs = {c: PDPair(PDConfig(model_dir=str(model), connector=c, workdir=str(workdir / c), tag=c,
+                                enable_prefix_caching=False))
              for c in CONNECTORS}
     try:
         t0 = time.monotonic()

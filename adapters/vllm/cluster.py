@@ -213,6 +213,7 @@ class PDConfig:
     workdir: str | None = None
     kv_load_failure_policy: str = "fail"
     tag: str = ""
+    enable_prefix_caching: bool = True
 
 
 class PDPair:
@@ -235,6 +236,7 @@ class PDPair:
             connector=self.cfg.connector, engine_id=f"{name}-{os.getpid()}-{int(time.time() * 1e3) % 100000}",
             side_channel_port=free_port(), extra_config=merged,
             kv_load_failure_policy=self.cfg.kv_load_failure_policy,
+            enable_prefix_caching=self.cfg.enable_prefix_caching,
         )
         return EngineHandle(spec, self.workdir)
 

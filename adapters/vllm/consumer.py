@@ -70,7 +70,7 @@ class IncomingHandoff:
     timed_out: bool = False
     held: list[tuple[float, int, bool, str]] = field(default_factory=list)
     parked: bool = False  # waiting for the handshake with its P
-    pending_read: tuple[list[list[int]], bool] | None = None  # a read that arrived while parked
+    pending_read: tuple[list[list[int]], bool, int] | None = None  # a read that came while parked
     cancelled: bool = False
 
 
@@ -137,9 +137,9 @@ class ConsumerHalf:
                     if inc.read_entry:
                         self._fail_now.append(a.local_id)  # vLLM kept its pages: report once
                 elif inc.pending_read is not None:
-                    ids, awaiting = inc.pending_read
+                    ids, awaiting, skip = inc.pending_read
                     inc.pending_read = None
-                    self._post_read(a.local_id, ids, awaiting, now)
+                    self._post_read(a.local_id, ids, awaiting, now, skip)
 
     def _admit(self, a: Admit, now: float) -> None:
         from kvhandoff.adapters.vllm.params import parse_remote_prefill
@@ -255,14 +255,14 @@ class ConsumerHalf:
             del self._by_remote[inc.remote.request_id]
 
     def _post_read(self, local_id: str, local_block_ids: list[list[int]], awaiting: bool,
-                   now: float) -> None:
+                   now: float, skip: int = 0) -> None:
         inc = self._incoming.get(local_id)
         if inc is None:
             log.error("vllm.worker.read_for_unknown_request", local_request_id=local_id)
             return
         inc.read_entry = awaiting
         if inc.parked:  # the handshake with its P is still running: post when it is done
-            inc.pending_read = (local_block_ids, awaiting)
+            inc.pending_read = (local_block_ids, awaiting, skip)
             return
         rid = inc.remote.request_id if inc.admitted and inc.remote else None
         rec = self._rec(rid) if rid else None
@@ -276,7 +276,7 @@ class ConsumerHalf:
             self._release(rid, now, notify_only=True)
             self._forget(local_id)
             return
-        remote_ids = inc.remote.block_ids
+        remote_ids = inc.remote.block_ids[skip:]  # D already holds the first ``skip`` blocks
         local = list(local_block_ids[0]) if local_block_ids else []
         self._record(ReadsPosted, rid, now, split_ranks=(self.rank,))
         inc.posted_at = now
@@ -287,6 +287,9 @@ class ConsumerHalf:
             self._count("reads_failed")
             return
         local = local[:len(remote_ids)]
+        if not remote_ids:  # everything was a local hit after all: nothing to move
+            self._record(SplitCompleted, rid, now, split=0)
+            return
         peer = self._peers[(inc.remote.host, inc.remote.port + self.rank)]
         try:
             handle = self.transport.post_read(peer.agent, ReadRequest(coalesce(remote_ids, local)))
@@ -302,7 +305,7 @@ class ConsumerHalf:
         for a in plan.admits:
             self._admit(a, now)
         for r in plan.reads:
-            self._post_read(r.local_id, r.local_block_ids, r.awaiting, now)
+            self._post_read(r.local_id, r.local_block_ids, r.awaiting, now, r.skip)
         for local_id in plan.cancels:
             self._cancel(local_id, now)
 

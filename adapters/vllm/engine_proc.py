@@ -39,6 +39,7 @@ class EngineSpec:
     seed: int = 0
     kv_load_failure_policy: str = "fail"
     idle_step_s: float = 0.01
+    enable_prefix_caching: bool = True
 
     def to_json(self) -> str:
         return orjson.dumps(asdict(self)).decode()
@@ -100,7 +101,7 @@ def build_engine(spec: EngineSpec) -> Any:
         enforce_eager=True,
         seed=spec.seed,
         kv_transfer_config=kv_cfg,
-        enable_prefix_caching=False,
+        enable_prefix_caching=spec.enable_prefix_caching,
     )
     return LLMEngine.from_engine_args(args)
 

@@ -25,7 +25,7 @@ class Admit:
 
 @dataclass(slots=True)
 class Read:
-    """D: vLLM allocated ``local_block_ids`` (one list per KV cache group) for the request.
+    """D: vLLM allocated ``local_block_ids`` (one list per KV cache group) to fill for the request.
 
     ``awaiting`` is False for a full local prefix hit: nothing to read, the
     scheduler is not waiting for a completion.
@@ -34,6 +34,7 @@ class Read:
     local_id: str
     local_block_ids: list[list[int]]
     awaiting: bool = True
+    skip: int = 0  # leading blocks D already holds (local prefix-cache hit): not read
 
 
 @dataclass(slots=True)

@@ -104,10 +104,16 @@ class HandoffScheduler:
             return
         track.read_sent = True
         track.awaiting = num_external_tokens > 0
-        ids = [list(g) for g in blocks.get_block_ids()] if track.awaiting else []
+        ids: list[list[int]] = []
+        skip = 0
         if track.awaiting:
+            # A local prefix-cache hit leaves its (hashed) blocks in place: only
+            # the blocks after it are read, into the blocks vLLM just allocated.
+            group = blocks.blocks[0]
+            skip = sum(1 for b in group if b.block_hash is not None and not b.is_null)
+            ids = [[b.block_id for b in group if b.block_hash is None and not b.is_null]]
             timing.note(rid, "scheduled")
-        self._plan.reads.append(Read(rid, ids, track.awaiting))
+        self._plan.reads.append(Read(rid, ids, track.awaiting, skip))
 
     def build_plan(self) -> StepPlan:
         plan, self._plan = self._plan, StepPlan()
