@@ -37,7 +37,8 @@ class RunConfig:
     policy: str = "kvhandoff"
 
     # topology and sizes
-    tp: int = 1  # P and D tensor-parallel size (rank r of D reads rank r of P)
+    tp: int = 1  # P's tensor-parallel size
+    d_tp: int | None = None  # D's (None: same as P). D rank d reads P rank d // (d_tp / tp)
     requests: int = 12
     inter_arrival_s: float = 0.004  # mean, exponential
     blocks_per_request: tuple[int, int] = (1, 8)
@@ -80,11 +81,22 @@ class RunConfig:
     # what the scenario is allowed to show under policy kvhandoff
     exceeds_lease: bool = False  # faults longer than the lease: freed_under_read may be > 0
 
+    @property
+    def decode_tp(self) -> int:
+        return self.d_tp or self.tp
+
+    @property
+    def heads_per_p_rank(self) -> int:
+        """How many D ranks read each P rank (each reads its own head group)."""
+        return self.decode_tp // self.tp
+
     def validate(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy {self.policy!r}: expected one of {', '.join(POLICIES)}")
         if not 1 <= self.tp <= 4:
             raise ValueError(f"tp {self.tp}: expected 1..4")
+        if not 1 <= self.decode_tp <= 4 or self.decode_tp % self.tp:
+            raise ValueError(f"d_tp {self.d_tp}: expected a multiple of tp {self.tp}, at most 4")
         if self.block_bytes % 8:
             raise ValueError(f"block_bytes {self.block_bytes}: expected a multiple of 8")
         for phase in self.cancel.phases:

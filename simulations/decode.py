@@ -100,11 +100,17 @@ class DecodeEngine:
         self.clock = net.clock
         self.p_name, self.p_num_blocks = p_name, p_num_blocks
         self.on_phase, self.on_done = on_phase, on_done
-        self.agents = [net.agent(f"{name}.r{r}") for r in range(cfg.tp)]
-        self.peers = [f"{p_name}.r{r}" for r in range(cfg.tp)]
+        k = self.k = cfg.heads_per_p_rank
+        self.agents = [net.agent(f"{name}.r{d}") for d in range(cfg.decode_tp)]
+        self.p_peers = [f"{p_name}.r{r}" for r in range(cfg.tp)]
+        self.peers = [self.p_peers[d // k] for d in range(cfg.decode_tp)]  # whom rank d reads
+        # Which of P's regions rank d's regions are (its head group of every layer).
+        self.rows = [[layer * k + d % k for layer in range(cfg.regions)]
+                     for d in range(cfg.decode_tp)]
         self.words: list[np.ndarray] = []  # per rank: (regions, blocks, words) of its memory
-        for agent in self.agents:
-            regions, words = kv.rank_memory(cfg.regions, cfg.d_blocks, cfg.block_bytes)
+        for d, agent in enumerate(self.agents):
+            names = kv.region_names(cfg.regions, [d % k], k)
+            regions, words = kv.rank_memory(names, cfg.d_blocks, cfg.block_bytes)
             agent.register(regions)
             self.words.append(words)
         self.state = LifecycleState()  # keeps FREED / DONE records: runs are short
@@ -186,7 +192,7 @@ class DecodeEngine:
 
     def _finish_without_reads(self, imp_req: SimRequest, rid: str, outcome: str, now: float) -> None:
         self.ledger.record(ReleaseSent, rid, now, notify_only=True)
-        self._release(rid, range(self.cfg.tp))
+        self._release(rid, range(self.cfg.decode_tp))
         self.on_done(imp_req, outcome)
 
     def _cancel(self, req: SimRequest, now: float) -> None:
@@ -239,8 +245,9 @@ class DecodeEngine:
                 break  # pages free up as other imports drain
             imp.local_ids = local
             posted.append(rid)
-            tp = self.cfg.tp
-            self.ledger.record(ReadsPosted, rid, now, split_ranks=tuple(range(tp)))
+            # Split d is D rank d's READ, from P rank d // k.
+            self.ledger.record(ReadsPosted, rid, now,
+                               split_ranks=tuple(d // self.k for d in range(len(self.agents))))
             self.reading[rid] = imp
             read = ReadRequest(runs=coalesce(imp.remote_ids, local))
             params_token = imp.params.token
@@ -271,7 +278,7 @@ class DecodeEngine:
             if verdict is Verdict.PENDING and not rec.cancelled:
                 # (A cancelled request's bytes go nowhere: no proof needed, its
                 # pages are released as soon as the reads drained.)
-                peer_gone = any(self.peers[r] in lost for r in rec.split_ranks)
+                peer_gone = any(self.p_peers[r] in lost for r in rec.split_ranks)
                 if not peer_gone and now - imp.drained_at < cfg.confirm_timeout_s:
                     # The bytes are here and wait only for P's word: ask again
                     # well before the next period, in case a message was lost.
@@ -307,14 +314,16 @@ class DecodeEngine:
             if not self._bytes_match(imp):
                 self.served_corrupt += 1
         outcome = "served" if serve else ("cancelled" if rec.cancelled else "failed")
-        for rank in range(self.cfg.tp):
+        for rank in range(len(self.agents)):
             self.pool.free(imp.local_ids, rank)
         self.on_done(req, outcome)
 
     def _bytes_match(self, imp: Import) -> bool:
         serial = imp.req.serial
-        return all(kv.matches(words, imp.local_ids, serial, rank)
-                   for rank, words in enumerate(self.words))
+        k = self.k
+        return all(kv.matches(words, imp.local_ids, serial, d // k,
+                              None if k == 1 else self.rows[d])
+                   for d, words in enumerate(self.words))
 
     def _heartbeat(self, now: float) -> None:
         periodic = now >= self.next_heartbeat
@@ -341,13 +350,13 @@ class DecodeEngine:
         for rid in due:
             self.ledger.record(HeartbeatSent, rid, now)
         requests = self.state.stream(self.stream).requests
-        for rank, agent in enumerate(self.agents):
-            # A P rank whose READ already completed under proof needs no more.
-            ids = tuple(rid for rid in due if _rank_owed(requests[rid], rank))
+        for p_rank, peer in enumerate(self.p_peers):
+            # A P rank whose READs already completed under proof needs no more.
+            ids = tuple(rid for rid in due if _rank_owed(requests[rid], p_rank))
             if ids:
                 tokens = tuple(self.tokens.get(rid, "") for rid in ids)
-                agent.send_notif(self.peers[rank],
-                                 encode(Heartbeat(self.name, rank, now, ids, tokens)))
+                d = p_rank * self.k  # the first D rank reading that P rank speaks for all
+                self.agents[d].send_notif(peer, encode(Heartbeat(self.name, d, now, ids, tokens)))
         # Whatever made us send, these requests are due again at the next period.
         # (Arming only after periodic rounds lost the period of a request whose
         # first heartbeat was its admission one: found by Hypothesis.)

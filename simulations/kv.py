@@ -22,11 +22,24 @@ from kvhandoff.transports.base import KVRegion
 _TAG = 0x4B56 << 48  # "KV"
 
 
-def rank_memory(regions: int, blocks: int, block_bytes: int) -> tuple[list[KVRegion], np.ndarray]:
-    """One rank's KV regions (``kv0``, ``kv1``, ...) and their 64-bit words."""
-    buf = np.zeros((regions, blocks, block_bytes), np.uint8)
-    regs = [KVRegion(f"kv{k}", buf[k], blocks, block_bytes) for k in range(regions)]
+def rank_memory(names: Sequence[str], blocks: int,
+                block_bytes: int) -> tuple[list[KVRegion], np.ndarray]:
+    """One rank's KV regions, one per name, and their 64-bit words."""
+    buf = np.zeros((len(names), blocks, block_bytes), np.uint8)
+    regs = [KVRegion(n, buf[k], blocks, block_bytes) for k, n in enumerate(names)]
     return regs, buf.view(np.uint64)
+
+
+def region_names(layers: int, groups: Sequence[int], heads_per_rank: int) -> list[str]:
+    """Region names of a rank holding head ``groups`` (of ``heads_per_rank``) of each layer.
+
+    With one head group per rank (equal TP) the names are ``kv0``, ``kv1``...;
+    otherwise ``kv0.g1`` is layer 0's head group 1, so a D rank that holds
+    group 1 pairs its regions with exactly that slice of P's.
+    """
+    if heads_per_rank == 1:
+        return [f"kv{k}" for k in range(layers)]
+    return [f"kv{k}.g{g}" for k in range(layers) for g in groups]
 
 
 @functools.cache
@@ -44,6 +57,11 @@ def write(words: np.ndarray, ids: Sequence[int], serial: int, rank: int) -> None
     words[:, ids] = tokens(serial, rank, words.shape[0], len(ids))[:, :, None]
 
 
-def matches(words: np.ndarray, ids: Sequence[int], serial: int, rank: int) -> bool:
-    expected = tokens(serial, rank, words.shape[0], len(ids))[:, :, None]
-    return bool((words[:, ids] == expected).all())
+def matches(words: np.ndarray, ids: Sequence[int], serial: int, rank: int,
+            rows: Sequence[int] | None = None) -> bool:
+    """Whether ``words`` hold what P rank ``rank`` wrote; ``rows``: which of P's regions
+    this memory's regions are (default: the same ones, in order)."""
+    expected = tokens(serial, rank, words.shape[0] if rows is None else max(rows) + 1, len(ids))
+    if rows is not None:
+        expected = expected[list(rows)]
+    return bool((words[:, ids] == expected[:, :, None]).all())

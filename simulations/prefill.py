@@ -77,14 +77,18 @@ class PrefillEngine:
         self.mint_tokens = mint_tokens
         self.agents = [net.agent(f"{name}.r{r}") for r in range(cfg.tp)]
         self.words: list[np.ndarray] = []  # per rank: (regions, blocks, words) of its memory
+        k = cfg.heads_per_p_rank  # head groups per P rank: one per D rank reading it
+        names = kv.region_names(cfg.regions, range(k), k)
         for agent in self.agents:
-            regions, words = kv.rank_memory(cfg.regions, cfg.p_blocks, cfg.block_bytes)
+            regions, words = kv.rank_memory(names, cfg.p_blocks, cfg.block_bytes)
             agent.register(regions)
             self.words.append(words)
         # Terminal records are kept: P answers a late heartbeat for a request it
         # released with "released" (0), not "unknown" (< 0).
         self.state = LifecycleState()  # keeps FREED / DONE records: runs are short
         self.streams = [Stream(name, Side.P, r) for r in range(cfg.tp)]
+        # The D ranks that read each P rank, and so must each release it.
+        self.consumers = [tuple(range(r * k, (r + 1) * k)) for r in range(cfg.tp)]
         self.ledgers = [Ledger(s, self.state, sink) for s in self.streams]
         self.pool = SimBlockPool(self.agents, cfg.p_blocks)
         self.queue: deque[SimRequest] = deque()
@@ -147,8 +151,9 @@ class PrefillEngine:
             token = f"{self.rng.getrandbits(64):016x}" if self.mint_tokens else ""
             for rank, ledger in enumerate(self.ledgers):
                 kv.write(self.words[rank], ids, req.serial, rank)
-                ledger.record(Exported, req.rid, now, lease_s=cfg.lease_s, consumer_ranks=(rank,),
-                              num_blocks=len(ids), token=token)
+                ledger.record(Exported, req.rid, now, lease_s=cfg.lease_s,
+                              consumer_ranks=self.consumers[rank], num_blocks=len(ids),
+                              token=token)
             self.on_exported(req, TransferParams(req.rid, self.name, tuple(range(cfg.tp)),
                                                  list(ids), len(ids), token))
         self.prefilled.clear()

@@ -185,6 +185,16 @@ def _tp2(cfg: RunConfig, rng: random.Random) -> None:
     cfg.cancel = CancelPlan(0.2, ("reads_posted",), (0.0, 0.02))
 
 
+@scenario("tp_ratio_split_reads",
+          "D has more TP ranks than P (1→2, 1→4, 2→4): each D rank READs its head group from "
+          "the P rank that holds it; P frees only after every D rank reading it released")
+def _tp_ratio(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.tp, cfg.d_tp = rng.choice(((1, 2), (1, 4), (2, 4)))
+    _slow_reads(cfg, share=0.3, lo=0.001, hi=1.5)
+    cfg.read_faults.fail = rng.uniform(0.0, 0.1)
+    cfg.cancel = CancelPlan(0.3, ("admitted", "reads_posted"), (0.0, 0.3 * cfg.lease_s))
+
+
 @scenario("split_failure_drains_others",
           "one split fails while the others are still in flight: the request fails, its "
           "pages and P's blocks stay held until every split drained")
@@ -246,3 +256,5 @@ def _swarm(cfg: RunConfig, rng: random.Random) -> None:
         cfg.crash_d_at = rng.uniform(0.0, 0.1)
     if maybe(0.2):
         cfg.wrong_peer_releases = rng.uniform(0.0, 0.5)
+    if maybe(0.2):  # D with more TP ranks than P
+        cfg.tp, cfg.d_tp = rng.choice(((1, 2), (1, 4), (2, 4)))

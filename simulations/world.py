@@ -100,8 +100,11 @@ class World:
     # -- set-up -------------------------------------------------------------
 
     def _handshake(self) -> None:
-        # Rank-local: D rank r talks to P rank r only (metadata over a side channel).
-        for p_agent, d_agent in zip(self.p.agents, self.d.agents, strict=True):
+        # Rank-local: D rank d talks only to the P rank it reads (metadata over a
+        # side channel); with equal TP that is P rank d.
+        k = self.cfg.heads_per_p_rank
+        for d, d_agent in enumerate(self.d.agents):
+            p_agent = self.p.agents[d // k]
             d_agent.add_peer(p_agent.metadata())
             p_agent.add_peer(d_agent.metadata())
         self.stray = None

@@ -25,6 +25,7 @@ ISSUE_SCENARIOS = [
     "partition_beyond_lease", "p_crash_mid_read", "d_crash_mid_read",
     "duplicate_release_notification", "stale_release_after_expiry", "release_from_wrong_peer",
     "tp2_split_reads", "split_failure_drains_others", "slow_engine_loop", "swarm",
+    "tp_ratio_split_reads",
 ]
 OPEN_RACES: set[str] = set()  # scenarios with a known, reported, unfixed race
 # CI sweeps 200 seeds of every scenario (3,400 runs); KVH_SIM_SEEDS=1000 for the full target.
@@ -369,3 +370,40 @@ def test_timers_wake_the_engine_once_per_time_however_often_they_are_armed():
     loop.wake_at(4.0)
     clock.run_until(10.0)
     assert times == [2.0, 4.0]
+
+
+def test_with_more_d_ranks_than_p_ranks_each_d_rank_reads_its_head_group_from_its_p_rank():
+    result = _first_seed("tp_ratio_split_reads", lambda r: r.metrics["served"] > 0)
+    cfg = build("tp_ratio_split_reads", result.seed)
+    k = cfg.d_tp // cfg.tp
+    p, d = events(result.p_log), events(result.d_log)
+    exported = [e for e in p if e["type"] == "exported"]
+    assert exported and all(e["consumer_ranks"] == list(range(e["rank"] * k, (e["rank"] + 1) * k))
+                            for e in exported)
+    posted = [e for e in d if e["type"] == "reads_posted"]
+    assert posted and all(e["split_ranks"] == [r // k for r in range(cfg.d_tp)] for e in posted)
+    releases = [e for e in p if e["type"] == "release_notified"]
+    assert releases and all(e["consumer_rank"] // k == e["rank"] for e in releases)
+    # P frees a rank only when every D rank reading it released (or the lease ran out).
+    for e in (e for e in p if e["type"] == "freed"):
+        released = {r["consumer_rank"] for r in releases
+                    if r["rid"] == e["rid"] and r["rank"] == e["rank"] and r["seq"] < e["seq"]}
+        expired = any(x["type"] == "lease_expired" and x["rid"] == e["rid"] and x["rank"] == e["rank"]
+                      for x in p)
+        aborted = any(x["type"] == "aborted" and x["rid"] == e["rid"] for x in p)
+        assert expired or aborted or released == set(range(e["rank"] * k, (e["rank"] + 1) * k))
+
+
+def test_head_group_reads_are_checked_byte_for_byte():
+    # D ranks holding different head groups of one P rank: a partition longer
+    # than the lease makes the vLLM 0.32 model serve reused blocks, and the
+    # per-group byte check sees it; kvhandoff serves nothing corrupt.
+    served_corrupt = {}
+    for policy in ("kvhandoff", "vllm-0.32"):
+        total = 0
+        for seed in range(10):
+            cfg = build("partition_beyond_lease", seed, policy)
+            cfg.tp, cfg.d_tp = 1, 4
+            total += World(cfg).run().metrics["served_corrupt"]
+        served_corrupt[policy] = total
+    assert served_corrupt["kvhandoff"] == 0 < served_corrupt["vllm-0.32"]

@@ -35,7 +35,7 @@ def test_any_scenario_any_seed_is_safe_at_every_step_and_live_at_the_end(scenari
 
 
 @given(seed=st.integers(min_value=0, max_value=2**16),
-       tp=st.integers(min_value=1, max_value=4),
+       tp=st.sampled_from([(1, None), (2, None), (3, None), (4, None), (1, 2), (1, 4), (2, 4)]),
        drop=st.floats(min_value=0.0, max_value=0.7), duplicate=rates, reorder=rates,
        delay=rates, delay_frac=st.floats(min_value=0.0, max_value=0.3),
        read_fail=st.floats(min_value=0.0, max_value=0.5),
@@ -50,7 +50,7 @@ def test_fault_rates_drawn_by_hypothesis_never_break_safety(
         cancel, phases, invalid, prefix, stall, crash, crash_at):
     cfg = build("steady_state", seed)
     lease = cfg.lease_s
-    cfg.tp = tp
+    cfg.tp, cfg.d_tp = tp
     # Heartbeats and their acks may be lost, but never more than two in a row:
     # within that, the lease must hold (three in a row exceed what a lease of
     # six heartbeat periods promises once engine stalls are added).
