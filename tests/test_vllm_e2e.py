@@ -305,20 +305,24 @@ def test_d_restart_does_not_hold_p_blocks_past_one_lease(pair):
     assert pair.d.wait_done([rid2])[rid2]["token_ids"] == ref
 
 
-def test_bad_connector_settings_refuse_engine_start(tmp_path):
+@pytest.mark.parametrize("extra, message", [
+    ({"lease": 3}, "'lease'"),
+    ({"producer_tp_size": 2}, "tensor_parallel_size=1"),
+])
+def test_bad_connector_settings_refuse_engine_start(tmp_path, extra, message):
     from kvhandoff.adapters.vllm.cluster import EngineFailed, EngineHandle, free_port
     from kvhandoff.adapters.vllm.engine_proc import EngineSpec
 
     model = write_tiny_llama(tmp_path / "model")
     spec = EngineSpec(name="D-bad", role="decode", model_dir=str(model), control="",
                       engine_id="D-bad", side_channel_port=free_port(),
-                      extra_config={"lease": 3})
+                      extra_config=extra)
     h = EngineHandle(spec, tmp_path)
     try:
         with pytest.raises(EngineFailed):
             h.wait_ready(timeout_s=300)
         log = h.log_path.read_text()
-        assert "ConnectorConfigError" in log and "'lease'" in log
+        assert ("ConnectorConfigError" in log or "UnsupportedTopology" in log) and message in log
     finally:
         h.kill()
 

@@ -17,6 +17,7 @@ with `ConnectorConfigError`, never discovered mid-request.
 | handshake_timeout_s    | 5.0                 | D gives up on an unreachable P after this            |
 | notif_poll_s           | 0.0005              | P's notification poll period while leases are live   |
 | idle_poll_s            | 0.05                | P's notification poll period with no live lease      |
+| producer_tp_size       | 0 (unchecked)       | D: P's TP size; a mismatch is refused at start-up     |
 | debug_read_delay_s     | 0.0                 | tests only: hold each READ's completion this long    |
 | debug_read_delay_param | false               | tests/demo only: honour a request's ``kvhandoff_debug_read_delay_s`` |
 """
@@ -57,6 +58,7 @@ class HandoffConfig:
     handshake_timeout_s: float = 5.0
     notif_poll_s: float = 0.0005
     idle_poll_s: float = 0.05
+    producer_tp_size: int = 0
     debug_read_delay_s: float = 0.0
     debug_read_delay_param: bool = False
 
@@ -113,6 +115,8 @@ class HandoffConfig:
         for key in ("read_timeout_s", "handshake_timeout_s", "notif_poll_s", "idle_poll_s"):
             if values.get(key, defaults[key]) <= 0:
                 raise ConnectorConfigError(key, "> 0", values[key])
+        if values.get("producer_tp_size", 0) < 0:
+            raise ConnectorConfigError("producer_tp_size", ">= 0", values["producer_tp_size"])
         if values.get("debug_read_delay_s", 0.0) < 0:
             raise ConnectorConfigError("debug_read_delay_s", ">= 0", values["debug_read_delay_s"])
         values.setdefault("side_channel_host", env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1"))

@@ -91,6 +91,13 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         self.engine_id: str = kvt.engine_id
         self.producer = kvt.kv_role == "kv_producer"
         par = vllm_config.parallel_config
+        if (not self.producer and self.cfg.producer_tp_size
+                and self.cfg.producer_tp_size != par.tensor_parallel_size):
+            # D rank r reads P rank r: unequal TP cannot be mapped (yet).
+            raise UnsupportedTopology(
+                f"KVHandoffConnector: producer_tp_size={self.cfg.producer_tp_size} but this "
+                f"decode engine has tensor_parallel_size={par.tensor_parallel_size}; P and D "
+                "need the same TP size")
         self.scheduler: HandoffScheduler | None = None
         self.worker: HandoffWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
