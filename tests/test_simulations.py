@@ -28,7 +28,7 @@ ISSUE_SCENARIOS = [
     "tp_ratio_split_reads",
 ]
 OPEN_RACES: set[str] = set()  # scenarios with a known, reported, unfixed race
-# CI sweeps 200 seeds of every scenario (3,400 runs); KVH_SIM_SEEDS=1000 for the full target.
+# CI sweeps 200 seeds of every scenario (3,600 runs); KVH_SIM_SEEDS=1000 for the full target.
 SEEDS = range(int(os.environ.get("KVH_SIM_SEEDS", "200")))
 JOBS = min(2, os.cpu_count() or 1)
 
