@@ -246,9 +246,15 @@ class PDPair:
         self.d = self._start("decode", name, self.cfg.d_extra_config)
         self.d.wait_ready()
 
-    def restart_p(self, crash: bool = True) -> None:
+    def restart_p(self, crash: bool = True, same_identity: bool = True) -> None:
+        """Restart P; ``same_identity`` keeps its engine id and side-channel port, as a
+        deployment restarting the same P would."""
+        old = self.p.spec
         (self.p.kill if crash else self.p.stop)()
-        self.p = self._start("prefill", self.p.spec.name + "r", self.cfg.p_extra_config)
+        if same_identity:
+            self.p = EngineHandle(replace(old, name=old.name + "r"), self.workdir)
+        else:
+            self.p = self._start("prefill", old.name + "r", self.cfg.p_extra_config)
         self.p.wait_ready()
 
     def wait_ready(self, timeout_s: float = 600.0, on_ready: Callable[[str], None] | None = None) -> None:

@@ -105,6 +105,19 @@ class ConsumerHalf:
             box["error"] = exc
         box["done"].set()
 
+    def _drop_lost_producers(self) -> None:
+        """Forget links to P agents the transport reports gone (a restarted P re-handshakes)."""
+        lost = set(self.transport.lost_peers())
+        if not lost:
+            return
+        for key, link in list(self._peers.items()):
+            if link.agent in lost:
+                del self._peers[key]
+                log.warning("vllm.worker.producer_lost", producer=link.engine_id, agent=link.agent,
+                            address=f"{key[0]}:{key[1]}")
+        for agent in lost:
+            self.transport.remove_peer(agent)  # READs in flight from it drain first
+
     def _finish_handshakes(self, now: float) -> None:
         for key, box in list(self._handshakes.items()):
             if not box["done"].is_set():

@@ -127,6 +127,10 @@ class ProducerHalf:
     def _p_step(self, now: float) -> set[str]:
         """Answer notifications, reap expired leases, free; the ids vLLM may free now."""
         self._p_handle_notifs(now)
+        for agent in self.transport.lost_peers():  # a D that died: its leases lapse on their own
+            self._d_agents = {e: a for e, a in self._d_agents.items() if a != agent}
+            self.transport.remove_peer(agent)
+            log.warning("vllm.worker.consumer_lost", agent=agent)
         for rid in expired_leases(self.state, self.stream, now):
             if self._record(LeaseExpired, rid, now):
                 self._count("leases_expired")

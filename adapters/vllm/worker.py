@@ -67,6 +67,19 @@ def _natural_key(name: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in name.replace(".", " ").split())
 
 
+def _rotate_previous_log(path: str) -> None:
+    """An engine restarted with the same engine id starts a new stream from seq 0.
+
+    Its predecessor's log is moved aside (``<name>.<unix time>.jsonl``) so each
+    file stays a valid log; replay them separately (their streams share a name).
+    """
+    p = Path(path)
+    if p.exists() and p.stat().st_size > 0:
+        moved = p.with_name(f"{p.stem}.{int(time.time())}.jsonl")
+        p.rename(moved)
+        log.warning("vllm.worker.previous_log_moved", path=path, moved_to=str(moved))
+
+
 class HandoffWorker(ProducerHalf, ConsumerHalf):
     def __init__(self, cfg: HandoffConfig, engine_id: str, side: Side, rank: int, tp_size: int,
                  compat: dict[str, Any]) -> None:
@@ -74,6 +87,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self.stream = Stream(engine_id, side, rank)
         Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
         self.log_path = str(Path(cfg.log_dir) / f"{engine_id}.{side.value}{rank}.jsonl")
+        _rotate_previous_log(self.log_path)
         self.writer = LogWriter(self.log_path)
         self.state = LifecycleState()
         self._last_prune = 0.0
@@ -204,6 +218,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
             if self.side is Side.P:
                 self._p_plan(plan, now)
             else:
+                self._drop_lost_producers()
                 self._finish_handshakes(now)
                 self._d_plan(plan, now)
                 self._d_heartbeats(now)
@@ -215,6 +230,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
             self._prune(now)
             if self.side is Side.P:
                 return self._p_step(now), set(), set()
+            self._drop_lost_producers()
             self._finish_handshakes(now)
             self._d_poll(now)
             self._d_notifs(now)
