@@ -24,9 +24,11 @@ counted in ``StreamState.ignored``.
 
 from __future__ import annotations
 
+import gc
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -516,8 +518,26 @@ def prune_terminal(state: LifecycleState, stream: Stream, before: float) -> int:
 
 
 def fold(events: Iterable[Event], state: LifecycleState | None = None) -> LifecycleState:
-    """``for e in events: state = apply(state, e)``."""
+    """``for e in events: state = apply(state, e)``.
+
+    Records hold no reference cycles, so the cyclic garbage collector is
+    paused for a bulk fold: rescanning a heap of 10^5 live records while
+    they are built costs about a sixth of a replay.
+    """
     state = state if state is not None else LifecycleState()
-    for event in events:
-        apply(state, event)
+    with gc_paused():
+        for event in events:
+            apply(state, event)
     return state
+
+
+@contextmanager
+def gc_paused():
+    """Pause the cyclic GC (not reference counting) around a bulk build of acyclic objects."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

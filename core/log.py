@@ -13,7 +13,6 @@ with a warning and the events before it are kept.
 
 from __future__ import annotations
 
-import gc
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from operator import itemgetter
@@ -23,6 +22,7 @@ import structlog
 
 from kvhandoff.core.errors import LogCorrupt
 from kvhandoff.core.events import EVENT_TYPES, EXTRA_FIELDS, Event, Side, Stream
+from kvhandoff.core.lifecycle import gc_paused
 
 SCHEMA_VERSION = 1
 log = structlog.get_logger(__name__)
@@ -210,16 +210,11 @@ class _Reader:
                                     reason=e.reason, kept_events=lineno)
 
     def _decode_chunk(self, lines: list[bytes], path: str, lineno: int) -> list[Event]:
-        # The events are acyclic; pausing the cyclic GC while a million of them
+        # Events are acyclic; pausing the cyclic GC while a million of them
         # are allocated keeps it from rescanning the growing heap (~1.7x faster).
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with gc_paused():
             decode = self.decode
             return [decode(raw, path, i) for i, raw in enumerate(lines, lineno + 1)]
-        finally:
-            if was_enabled:
-                gc.enable()
 
 
 def iter_log(path: str | os.PathLike) -> Iterator[Event]:
