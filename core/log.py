@@ -28,12 +28,14 @@ SCHEMA_VERSION = 1
 log = structlog.get_logger(__name__)
 
 
+_OWN_FIELDS = {kind: tuple(name for name, _ in extra) for kind, extra in EXTRA_FIELDS.items()}
+
+
 def encode_event(event: Event) -> bytes:
-    s = event.stream
+    engine, side, rank = event.stream
     body = {"v": SCHEMA_VERSION, "type": event.kind, "rid": event.request_id,
-            "engine": s.engine, "side": s.side.value, "rank": s.rank, "seq": event.seq,
-            "t": event.t}
-    for name, _ in EXTRA_FIELDS[event.kind]:
+            "engine": engine, "side": side, "rank": rank, "seq": event.seq, "t": event.t}
+    for name in _OWN_FIELDS[event.kind]:
         body[name] = getattr(event, name)
     return orjson.dumps(body)
 
