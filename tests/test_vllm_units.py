@@ -192,3 +192,31 @@ def test_prefill_side_exports_with_a_token_or_reports_an_abort():
     plan = s.build_plan()
     assert plan.prefill_started == ["p1", "p2"] and plan.aborted == ["p2"]
     assert [(e.request_id, e.num_blocks, e.token) for e in plan.exports] == [("p1", 3, parsed.token)]
+
+
+def test_connector_stats_aggregate_and_export_to_prometheus():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvhandoff.adapters.vllm import stats as kstats
+
+    a, b = kstats.empty(), kstats.empty()
+    a.update(reads_completed=2, bytes_read=3 << 20, read_s=[0.001, 0.002], read_bytes=[1 << 20, 2 << 20])
+    b.update(reads_completed=1, leases_expired=1, read_s=[0.004], read_bytes=[0])
+    cls = kstats.stats_class()
+    merged = cls(data=a).aggregate(cls(data=b))
+    summary = merged.reduce()
+    assert summary["reads_completed"] == 3 and summary["leases_expired"] == 1
+    assert summary["read_ms_median"] == 2.0 and round(summary["read_GBps_median"], 2) == 1.05
+
+    registry = CollectorRegistry()
+
+    def bound(kind):
+        return lambda **kw: kind(registry=registry, **kw)
+
+    prom = kstats.prom_metrics_class()(
+        SimpleNamespace(kv_transfer_config=None),
+        {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)},
+        ["engine"], {0: ["0"]})
+    prom.observe(merged.data, 0)
+    assert registry.get_sample_value("vllm:kvhandoff_reads_completed_total", {"engine": "0"}) == 3
+    assert registry.get_sample_value("vllm:kvhandoff_read_seconds_count", {"engine": "0"}) == 3

@@ -143,6 +143,13 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
         return KVHandoffStats(data=data) if data is not None else KVHandoffStats()
 
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict,
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        return kstats.prom_metrics_class()(vllm_config, metric_types, labelnames,
+                                           per_engine_labelvalues)
+
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
         return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
 

@@ -68,3 +68,35 @@ def stats_class() -> type:
             return not any(self.data.get(k) for k in COUNTERS)
 
     return KVHandoffStats
+
+
+def prom_metrics_class() -> type:
+    """`KVHandoffPromMetrics`: the counters above as Prometheus counters, READ time as a histogram."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+    from vllm.v1.metrics.utils import create_metric_per_engine
+
+    class KVHandoffPromMetrics(KVConnectorPromMetrics):
+        def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                     per_engine_labelvalues: dict[int, list[object]]) -> None:
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            self.counters = {
+                name: create_metric_per_engine(self._counter_cls(
+                    name=f"vllm:kvhandoff_{name}", documentation=f"kvhandoff connector: {name}",
+                    labelnames=labelnames), per_engine_labelvalues)
+                for name in COUNTERS
+            }
+            self.read_seconds = create_metric_per_engine(self._histogram_cls(
+                name="vllm:kvhandoff_read_seconds",
+                documentation="kvhandoff connector: READ post to completion, per request",
+                buckets=[0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0],
+                labelnames=labelnames), per_engine_labelvalues)
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+            for name, per_engine in self.counters.items():
+                value = transfer_stats_data.get(name, 0)
+                if value:
+                    per_engine[engine_idx].inc(value)
+            for seconds in transfer_stats_data.get("read_s", ()):
+                self.read_seconds[engine_idx].observe(seconds)
+
+    return KVHandoffPromMetrics
