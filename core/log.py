@@ -128,11 +128,6 @@ class _Reader:
         if (stream is None or values[0] != SCHEMA_VERSION
                 or tuple(map(type, values)) != types):
             return self._diagnose(raw, path, lineno)
-        seq = values[5]
-        last_seq = self.last_seq
-        if seq != last_seq.get(stream, -1) + 1:
-            self._check_seq(stream, seq, path, lineno)
-        last_seq[stream] = seq
         if list_fields:
             values = list(values)
             try:
@@ -140,6 +135,11 @@ class _Reader:
                     values[i] = _int_tuple(values[i])
             except TypeError:
                 return self._diagnose(raw, path, lineno)
+        seq = values[5]
+        last_seq = self.last_seq
+        if seq != last_seq.get(stream, -1) + 1:
+            self._check_seq(stream, seq, path, lineno)
+        last_seq[stream] = seq
         return cls(values[1], stream, seq, *values[6:])
 
     def _check_seq(self, stream: Stream, seq: int, path: str, lineno: int) -> None:

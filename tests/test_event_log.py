@@ -83,6 +83,7 @@ def _set(index, **changes):
     (_set(2, v=7), 3, "schema version 7"),
     (_set(1, lease_s="30"), 2, "field 'lease_s' must be number, found str"),
     (_set(1, consumer_ranks=[0, "1"]), 2, "field 'consumer_ranks' must be list of int"),
+    (_set(1, consumer_ranks=[0, 1.5]), 2, "field 'consumer_ranks' must be list of int"),
     (_set(3, consumer_rank=KeyError), 4, "missing field 'consumer_rank'"),
     (_set(2, seq=5), 3, "sequence gap in stream prefill-0/P0: expected 2, found 5"),
     (_set(2, seq=1), 3, "sequence repeat"),
