@@ -20,8 +20,11 @@ Theory of operation
   and returns a handle.  `notif`, when given, is delivered to the remote agent
   once the READ has completed (this is how a consumer's completion doubles as
   its release notification).  A posted READ cannot be cancelled.
+* `post_split_read` is the general form: several splits, each pairing remote
+  regions with (possibly differently named) local ones, one completion.
 * `poll` returns each handle's completion exactly once: `ok=True`, or
-  `ok=False` with the reason (failed post, remote disconnect, timeout).
+  `ok=False` with the reason (failed post, remote disconnect, timeout);
+  `progress` advances transfers between polls.
 * `send_notif` / `recv_notifs` carry small byte messages; `lost_peers`
   reports peers the transport knows to be gone.
 """
@@ -53,8 +56,16 @@ class UnknownPeer(TransportError):
     """A call named a peer that was never added (or was removed)."""
 
 
+class PeerUnreachable(TransportError):
+    """Metadata names a peer that cannot be connected to (gone, or a stale address)."""
+
+
 class RegionMismatch(TransportError):
     """Local and remote registrations cannot be paired (count, block size)."""
+
+
+class InvalidRead(TransportError):
+    """A READ that names blocks outside the registered regions, or no blocks at all."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +91,21 @@ class ReadRequest:
 
     runs: tuple[BlockRun, ...]
     regions: tuple[str, ...] | None = None  # None: every registered region
+
+
+@dataclass(frozen=True, slots=True)
+class ReadSplit:
+    """One part of a READ: ``runs`` applied to each ``(remote region, local region)`` pair.
+
+    Remote and local names differ when the destination is split by memory
+    kind (``"layer0" -> "layer0@gpu"`` for a GPU-resident tail, ``->
+    "layer0@host"`` for a host pool); a plain READ pairs each region with its
+    namesake (``ReadRequest``).  ``runs`` is a tuple of `BlockRun` or, in the
+    NIXL transport, an ``(n, 3)`` integer array of the same rows.
+    """
+
+    runs: Any
+    regions: tuple[tuple[str, str], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,10 +136,23 @@ class Transport(Protocol):
     def remove_peer(self, peer: str) -> None: ...
 
     def post_read(self, peer: str, read: ReadRequest, notif: bytes | None = None) -> int:
-        """Post a READ from ``peer``'s blocks into local blocks; return a handle."""
+        """Post a READ from ``peer``'s blocks into same-named local regions; return a handle."""
+        ...
+
+    def post_split_read(self, peer: str, splits: Sequence[ReadSplit],
+                        notif: bytes | None = None) -> int:
+        """Post one READ made of several splits (e.g. a GPU tail and a host pool).
+
+        One handle, one completion once every part landed (failed if any part
+        failed); ``notif`` reaches the peer only after the last part.
+        """
         ...
 
     def poll(self) -> list[Completion]: ...
+
+    def progress(self) -> None:
+        """Advance posted READs without collecting completions (a pump loop's step)."""
+        ...
 
     def send_notif(self, peer: str, message: bytes) -> None: ...
 

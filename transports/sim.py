@@ -51,10 +51,12 @@ import orjson
 
 from kvhandoff.transports.base import (
     Completion,
+    InvalidRead,
     KVRegion,
     Notification,
     PeerNotReady,
     ReadRequest,
+    ReadSplit,
     RegionMismatch,
     TransportError,
     UnknownPeer,
@@ -70,10 +72,6 @@ POISON = 0xDB  # the byte a freed block is filled with ("dead block")
 
 class AgentCrashed(TransportError):
     """A call on an agent that crashed or was closed."""
-
-
-class InvalidRead(TransportError):
-    """A READ that names blocks outside the registered regions."""
 
 
 def sub_seed(seed: int, name: str) -> int:
@@ -201,8 +199,7 @@ class _Read:
     dst: str  # the agent that posted it
     src: str  # the agent whose blocks it copies
     handle: int
-    runs: tuple
-    regions: tuple[str, ...]
+    parts: tuple[tuple[tuple, tuple[tuple[str, str], ...]], ...]  # (runs, (remote, local) pairs)
     notif: bytes | None
     posted_at: float
     src_blocks: tuple[int, ...]
@@ -326,33 +323,39 @@ class SimNetwork:
 
     # -- READs ------------------------------------------------------------
 
-    def _post(self, dst: SimTransport, peer: str, read: ReadRequest, notif: bytes | None,
-              handle: int) -> None:
+    def _post(self, dst: SimTransport, peer: str, splits: Sequence[ReadSplit],
+              notif: bytes | None, handle: int) -> None:
         now = self.clock.now
         src = self.agents[peer]
-        regions = read.regions if read.regions is not None else tuple(dst._regions)
         src_blocks: list[int] = []
         dst_blocks: list[int] = []
         nbytes = 0
-        for name in regions:
-            local = dst._regions.get(name)
-            remote = src._remote_regions_of(dst, name)
-            if local is None or remote is None:
-                raise RegionMismatch(f"region {name!r} is not registered on both {dst.name} and {peer}")
-            if local.shape[1] != remote[1]:
-                raise RegionMismatch(f"region {name!r}: block_bytes {local.shape[1]} here, {remote[1]} on {peer}")
-            for run in read.runs:
-                if (run.count <= 0 or run.remote_start < 0 or run.local_start < 0
-                        or run.remote_start + run.count > remote[0]
-                        or run.local_start + run.count > local.shape[0]):
-                    raise InvalidRead(f"run {run} outside region {name!r} "
-                                      f"({remote[0]} remote, {local.shape[0]} local blocks)")
-                nbytes += run.count * local.shape[1]
-        for run in read.runs:
-            src_blocks.extend(range(run.remote_start, run.remote_start + run.count))
-            dst_blocks.extend(range(run.local_start, run.local_start + run.count))
+        for split in splits:
+            if not split.runs or not split.regions:
+                raise InvalidRead("a READ split needs block runs and regions")
+            for remote_name, local_name in split.regions:
+                local = dst._regions.get(local_name)
+                remote = src._remote_regions_of(dst, remote_name)
+                if local is None or remote is None:
+                    raise RegionMismatch(f"region {remote_name!r} -> {local_name!r} is not "
+                                         f"registered on both {peer} and {dst.name}")
+                if local.shape[1] != remote[1]:
+                    raise RegionMismatch(f"region {remote_name!r} -> {local_name!r}: block_bytes "
+                                         f"{remote[1]} on {peer}, {local.shape[1]} here")
+                for run in split.runs:
+                    if (run.count <= 0 or run.remote_start < 0 or run.local_start < 0
+                            or run.remote_start + run.count > remote[0]
+                            or run.local_start + run.count > local.shape[0]):
+                        raise InvalidRead(f"run {run} outside region {remote_name!r} -> "
+                                          f"{local_name!r} ({remote[0]} remote, "
+                                          f"{local.shape[0]} local blocks)")
+                    nbytes += run.count * local.shape[1]
+            for run in split.runs:
+                src_blocks.extend(range(run.remote_start, run.remote_start + run.count))
+                dst_blocks.extend(range(run.local_start, run.local_start + run.count))
         self._read_key += 1
-        rec = _Read(self._read_key, dst.name, peer, handle, read.runs, tuple(regions), notif, now,
+        rec = _Read(self._read_key, dst.name, peer, handle,
+                    tuple((tuple(split.runs), split.regions) for split in splits), notif, now,
                     tuple(src_blocks), tuple(dst_blocks))
         self.stats.reads_posted += 1
         if peer in self._dead:  # a post to a dead peer fails at once ("failed post")
@@ -393,12 +396,13 @@ class SimNetwork:
             return
         src = self.agents[read.src]
         nbytes = 0
-        for name in read.regions:
-            s, d = src._regions[name], dst._regions[name]
-            for run in read.runs:
-                d[run.local_start:run.local_start + run.count] = \
-                    s[run.remote_start:run.remote_start + run.count]
-                nbytes += run.count * d.shape[1]
+        for runs, pairs in read.parts:
+            for remote_name, local_name in pairs:
+                s, d = src._regions[remote_name], dst._regions[local_name]
+                for run in runs:
+                    d[run.local_start:run.local_start + run.count] = \
+                        s[run.remote_start:run.remote_start + run.count]
+                    nbytes += run.count * d.shape[1]
         self.stats.reads_completed += 1
         self.stats.bytes_read += nbytes
         dst._completions.append(Completion(read.handle, True))
@@ -533,14 +537,25 @@ class SimTransport:
         self._peers.pop(peer, None)
 
     def post_read(self, peer: str, read: ReadRequest, notif: bytes | None = None) -> int:
+        if not read.runs:
+            raise InvalidRead("a READ needs at least one block run")
+        names = read.regions if read.regions is not None else tuple(self._regions)
+        return self.post_split_read(peer, [ReadSplit(read.runs, tuple((n, n) for n in names))],
+                                    notif)
+
+    def post_split_read(self, peer: str, splits: Sequence[ReadSplit],
+                        notif: bytes | None = None) -> int:
         self._alive()
         if peer not in self._peers:
             raise UnknownPeer(f"{self.name}: peer {peer!r} was never added")
-        if not read.runs:
-            raise InvalidRead("a READ needs at least one block run")
+        if not splits:
+            raise InvalidRead("a READ needs at least one split")
         self._next_handle += 1
-        self.network._post(self, peer, read, notif, self._next_handle)
+        self.network._post(self, peer, splits, notif, self._next_handle)
         return self._next_handle
+
+    def progress(self) -> None:
+        """Nothing to do: the simulated fabric moves with the clock."""
 
     def poll(self) -> list[Completion]:
         self._alive()

@@ -16,26 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvhandoff.core.planning import BlockRun
-from kvhandoff.transports.base import MemoryKind, RegionMismatch, TransportError
+from kvhandoff.transports.base import InvalidRead, MemoryKind, ReadSplit, RegionMismatch
 
-
-class InvalidRead(TransportError):
-    """A READ that names blocks outside the registered regions, or no blocks at all."""
-
-
-@dataclass(frozen=True, slots=True)
-class ReadSplit:
-    """One part of a READ: ``runs`` applied to each ``(remote region, local region)`` pair.
-
-    Remote and local names differ when the destination is split by memory
-    kind (``"layer0" -> "layer0@gpu"`` for the resident tail, ``-> "layer0@host"``
-    for the host pool); a plain READ pairs each region with its namesake.
-    ``runs`` is a tuple of `BlockRun` or, for large READs, an ``(n, 3)`` integer
-    array of ``(remote_start, local_start, count)`` rows (see `runs_array`).
-    """
-
-    runs: tuple[BlockRun, ...] | np.ndarray
-    regions: tuple[tuple[str, str], ...]
+__all__ = ["InvalidRead", "ReadSplit", "runs_array", "plan_reads"]  # the first two live in base
 
 
 def runs_array(remote_ids: Sequence[int] | np.ndarray,

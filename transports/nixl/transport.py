@@ -58,6 +58,7 @@ from kvhandoff.transports.base import (
     MemoryKind,
     Notification,
     PeerNotReady,
+    PeerUnreachable,
     ReadRequest,
     RegionMismatch,
     TransportError,
@@ -85,10 +86,6 @@ from .reads import (
 log = structlog.get_logger(__name__)
 
 PROBE = b"\x00kvh.probe"  # internal liveness probe; never handed to the receiver's caller
-
-
-class PeerUnreachable(TransportError):
-    """NIXL could not connect to the agent a metadata blob describes (gone, or stale)."""
 
 
 @dataclass(slots=True)
