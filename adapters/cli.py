@@ -14,6 +14,7 @@ import importlib
 import sys
 
 import orjson
+import structlog
 
 COMMANDS = ("replay", "diagram", "simulate", "demo")
 BENCHMARKS = ("core", "nixl", "vllm")
@@ -54,6 +55,10 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not structlog.is_configured():
+        # The command line is an application, so it may configure logging: logs
+        # go to stderr, leaving stdout to the one JSON object of --json.
+        structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     args = build_parser(argv).parse_args(argv)
     if args.command == "bench":
         result = _benchmark(args.target).run(args)

@@ -53,6 +53,7 @@ from kvhandoff.transports.base import (
     KVRegion,
     PeerNotReady,
     ReadRequest,
+    ReadSplit,
     Transport,
     TransportError,
     UnknownPeer,
@@ -215,6 +216,25 @@ class TransportContract:
         assert np.array_equal(pair.read_d(1)[4:7], source[1][1:4])
         for i in (0, 2):
             assert (pair.read_d(i) == SENTINEL).all()
+
+    def test_a_split_read_lands_each_part_where_it_is_paired_with_one_completion(self, pair):
+        """Splits by destination (say a GPU tail and a host pool): one handle, one completion."""
+        p_name, _ = self.connect(pair)
+        source = self.fill(pair)
+        names = [r.name for r in pair.d_regions]
+        tail = ReadSplit(coalesce([10, 11], [0, 1]), ((names[0], names[1]),))  # crossed names
+        pool = ReadSplit(coalesce([3, 7, 8], [20, 21, 22]), ((names[2], names[2]),))
+        handle = pair.d.post_split_read(p_name, [tail, pool])
+        done: list[Completion] = []
+        self.wait(pair, lambda: bool(done.extend(pair.d.poll()) or done), "the split READ")
+        for _ in range(50):
+            pair.pump()
+            done.extend(pair.d.poll())
+        assert [(c.handle, c.ok) for c in done] == [(handle, True)], done
+        assert np.array_equal(pair.read_d(1)[0:2], source[0][10:12])
+        assert np.array_equal(pair.read_d(2)[20:23], source[2][[3, 7, 8]])
+        assert (pair.read_d(0) == SENTINEL).all()
+        assert (np.delete(pair.read_d(1), [0, 1], axis=0) == SENTINEL).all()
 
     def test_each_completion_is_reported_exactly_once(self, pair):
         p_name, _ = self.connect(pair)
