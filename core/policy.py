@@ -64,6 +64,10 @@ def lease_time_left(state: LifecycleState, stream: Stream, request_id: str, t: f
     Pass the asking ``engine`` and the ``token`` it presented: an asker that
     is not the request's consumer is told "gone", never "released", so it
     cannot mistake another engine's release for the end of its own reads.
+    A request this stream has not recorded as exported yet is also "gone":
+    an adapter whose heartbeats can overtake its own export (vLLM's P logs
+    the export a step after it hands out the parameters) holds such answers
+    until the export is recorded.
     """
     rec = state.record(stream, request_id)
     if not isinstance(rec, ProducerRecord):
