@@ -116,13 +116,7 @@ class Freed(Event):
 
 @dataclass(frozen=True, slots=True)
 class Admitted(Event):
-    """D accepted a request whose KV lives on P (``remote_engine``).
-
-    ``source_deadline`` is a lower bound, on D's clock, of when P's lease
-    ends, when the transfer parameters prove one (P's deadline on P's clock,
-    mapped through a clock-offset bound measured by a round trip at the
-    handshake); 0 means no proof, and D waits for a heartbeat acknowledgement.
-    """
+    """D accepted a request whose KV lives on P (``remote_engine``)."""
 
     remote_engine: str = ""
     remote_ranks: tuple[int, ...] = (0,)
@@ -130,7 +124,6 @@ class Admitted(Event):
     lease_s: float = 30.0
     lease_margin_s: float = 1.0
     local_request_id: str = ""
-    source_deadline: float = 0.0
     kind: ClassVar[str] = "admitted"
 
 

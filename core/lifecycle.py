@@ -267,9 +267,6 @@ def _admit(ss, rec, ev) -> ConsumerRecord:
     rec.remote_engine, rec.remote_ranks = ev.remote_engine, tuple(ev.remote_ranks)
     rec.num_blocks, rec.lease_s = ev.num_blocks, ev.lease_s
     rec.margin, rec.local_id = ev.lease_margin_s, ev.local_request_id
-    if ev.source_deadline > 0:  # the parameters prove the lease: no round trip needed
-        bound = ev.source_deadline - rec.margin
-        rec.safe_until = dict.fromkeys(rec.remote_ranks, bound)
     return rec
 
 

@@ -172,20 +172,3 @@ def test_lease_time_left_checks_the_token_when_p_minted_one():
     ledger.record(Exported, RID, 0.0, lease_s=5.0, consumer_ranks=(0,), token="secret")
     assert policy.lease_time_left(ledger.state, P0, RID, 1.0, token="secret") == 4.0
     assert policy.lease_time_left(ledger.state, P0, RID, 1.0, token="wrong") == -1.0
-
-
-def test_a_deadline_proven_at_admission_confirms_reads_without_a_round_trip():
-    from kvhandoff.core.events import Admitted, ReadsPosted, Validated
-    from kvhandoff.core.ledger import Ledger
-    from kvhandoff.core.lifecycle import LifecycleState
-
-    ledger = Ledger(D0, LifecycleState())
-    ledger.record(Admitted, RID, 1.0, remote_engine="prefill-0", remote_ranks=(0, 1),
-                  num_blocks=2, lease_s=30.0, lease_margin_s=0.5, source_deadline=20.0)
-    ledger.record(Validated, RID, 1.0)
-    ledger.record(ReadsPosted, RID, 1.0, split_ranks=(0, 1))
-    ledger.record(SplitCompleted, RID, 2.0, split=0)
-    ledger.record(SplitCompleted, RID, 19.6, split=1)  # after the bound minus the margin
-    assert policy.read_verdict(ledger.state, D0, RID) is Verdict.PENDING
-    ledger.record(LeaseAcknowledged, RID, 19.8, p_rank=1, sent_at=19.7, time_left=5.0)
-    assert policy.read_verdict(ledger.state, D0, RID) is Verdict.CONFIRMED

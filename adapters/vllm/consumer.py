@@ -53,19 +53,6 @@ class ProducerLink:
     agent: str
     num_blocks: int
     tp_size: int
-    clock_offset_bound: float | None = None  # P's clock + this <= our clock (handshake)
-
-
-def _source_deadline(remote: RemotePrefill, peer: ProducerLink, now: float) -> float:
-    """P's lease deadline from the parameters, as a lower bound on our clock (0: none).
-
-    With it, reads that complete before it (less the margin) are proven safe
-    without waiting for a heartbeat's round trip to P.  Never more than one
-    lease from now: no lease outlives that, whatever the parameters say.
-    """
-    if remote.lease_deadline <= 0 or peer.clock_offset_bound is None:
-        return 0.0
-    return max(min(remote.lease_deadline + peer.clock_offset_bound, now + remote.lease_s), 0.0)
 
 
 @dataclass(slots=True)
@@ -146,7 +133,7 @@ class ConsumerHalf:
                 else:
                     self._peers[key] = ProducerLink(
                         hello["engine_id"], agent, int(hello["compat"].get("num_blocks", 0)),
-                        int(hello["compat"].get("tp_size", 0)), hello.get("clock_offset_bound"))
+                        int(hello["compat"].get("tp_size", 0)))
                     log.info("vllm.worker.producer_connected", producer=hello["engine_id"],
                              agent=agent)
             if error is not None:
@@ -209,8 +196,7 @@ class ConsumerHalf:
         if not self._record(Admitted, rid, now, remote_engine=remote.engine_id,
                             remote_ranks=(self.rank,), num_blocks=len(remote.block_ids),
                             lease_s=remote.lease_s, lease_margin_s=self.cfg.lease_margin_s,
-                            local_request_id=local_id,
-                            source_deadline=_source_deadline(remote, peer, now)):
+                            local_request_id=local_id):
             inc.error = "admission refused by the lifecycle"
             self._count("rejected")
             return

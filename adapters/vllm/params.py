@@ -38,7 +38,6 @@ class RemotePrefill:
     lease_s: float
     debug_read_delay_s: float = 0.0  # honoured only where D enables debug_read_delay_param
     token: str = ""  # P's release capability: heartbeats and releases must carry it
-    lease_deadline: float = 0.0  # P's clock: the lease runs at least until then (0: unknown)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -48,7 +47,6 @@ class RemotePrefill:
             "pp_size": 1, "dcp_size": 1, "remote_block_ids": [list(self.block_ids)],
             "remote_num_tokens": self.num_tokens, "lease_s": self.lease_s,
             DEBUG_DELAY_KEY: self.debug_read_delay_s, "release_token": self.token,
-            "lease_deadline": self.lease_deadline,
         }
 
 
@@ -123,13 +121,8 @@ def parse_remote_prefill(params: Any, max_block_id: int = 1 << 31) -> RemotePref
     if not isinstance(token, str) or len(token) > 128:
         raise MalformedTransferParams("kv_transfer_params['release_token']: expected a string "
                                       f"of at most 128 characters, found {type(token).__name__}")
-    deadline = params.get("lease_deadline", 0.0)
-    if isinstance(deadline, bool) or not isinstance(deadline, int | float) or not (
-            0 <= deadline < float("inf")):
-        raise MalformedTransferParams("kv_transfer_params['lease_deadline']: expected a finite "
-                                      f"number >= 0, found {deadline!r}")
     return RemotePrefill(engine, rid, host, port, tp, tuple(ids), num_tokens, float(lease),
-                         float(delay), token, float(deadline))
+                         float(delay), token)
 
 
 def parse_identity(params: Any) -> tuple[str, str, str, int, str] | None:

@@ -17,7 +17,6 @@ does); it answers vLLM's questions from the request's own state:
 from __future__ import annotations
 
 import secrets
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,9 +149,6 @@ class HandoffScheduler:
                     "remote_port": self.cfg.side_channel_port, "tp_size": self.tp_size,
                     "pp_size": 1, "dcp_size": 1, "remote_block_ids": [blocks],
                     "remote_num_tokens": request.num_computed_tokens, "lease_s": self.cfg.lease_s,
-                    # The worker exports (and starts the lease) after this, on the same
-                    # host clock: the lease lasts at least until now + lease_s.
-                    "lease_deadline": time.monotonic() + self.cfg.lease_s,
                     "release_token": token,
                 }
             if started:

@@ -15,7 +15,6 @@ both values.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -102,8 +101,7 @@ class SideChannelServer:
                 hello = _parse_hello(header, "side channel")
                 check_compatible(self.compat, hello["compat"], hello["engine_id"])
                 ours = self.on_hello(hello, metadata)
-                reply = _hello(self.engine_id, self.rank, self.compat, ok=True,
-                               clock=time.monotonic())
+                reply = _hello(self.engine_id, self.rank, self.compat, ok=True)
             except Exception as exc:  # every refusal is answered, never raised into the engine
                 log.warning("vllm.side_channel.refused", error=str(exc), error_type=type(exc).__name__)
                 ours = b""
@@ -124,9 +122,6 @@ def handshake(host: str, port: int, engine_id: str, rank: int, compat: dict[str,
               metadata: bytes, timeout_s: float) -> tuple[dict[str, Any], bytes]:
     """D's side: send our hello + metadata, return P's hello and metadata.
 
-    P's hello gains ``clock_offset_bound``: add it to a time on P's clock to
-    get a lower bound of the same instant on ours (None if P sent no clock).
-
     Raises `HandshakeFailed` (no answer / refused) or `PeerIncompatible`.
     """
     import zmq
@@ -135,7 +130,6 @@ def handshake(host: str, port: int, engine_id: str, rank: int, compat: dict[str,
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(f"tcp://{host}:{port}")
-        sent_at = time.monotonic()
         sock.send_multipart([b"", _hello(engine_id, rank, compat), metadata])
         if not sock.poll(int(timeout_s * 1e3), zmq.POLLIN):
             raise HandshakeFailed(f"no answer from {host}:{port} within {timeout_s:.1f}s")
@@ -148,10 +142,4 @@ def handshake(host: str, port: int, engine_id: str, rank: int, compat: dict[str,
     if not hello.get("ok"):
         raise HandshakeFailed(f"{host}:{port} refused the handshake: {hello.get('error')}")
     check_compatible(compat, hello["compat"], hello["engine_id"])
-    # P read its clock after we sent: for any P time x, our time of the same
-    # instant is at least x + (sent_at - P's clock).  (Monotonic clocks tick
-    # at the same rate; the lease margin covers drift.)
-    p_clock = hello.get("clock")
-    hello["clock_offset_bound"] = (sent_at - p_clock if isinstance(p_clock, int | float)
-                                   and not isinstance(p_clock, bool) else None)
     return hello, frames[2]
