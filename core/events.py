@@ -74,7 +74,12 @@ class Exported(Event):
 
 @dataclass(frozen=True, slots=True)
 class HeartbeatReceived(Event):
-    """A consumer engine asked P to keep the request's blocks alive."""
+    """A consumer asked P to keep the request's blocks alive.
+
+    ``from_engine`` names the sender as P's transport knows it (the adapters
+    use the peer agent, unique per process), never what the message claims:
+    a restarted or duplicate consumer is then a different peer.
+    """
 
     from_engine: str = ""
     token: str = ""
@@ -83,7 +88,7 @@ class HeartbeatReceived(Event):
 
 @dataclass(frozen=True, slots=True)
 class ReleaseNotified(Event):
-    """A consumer rank says it is done with the request's blocks."""
+    """A consumer rank says it is done with the request's blocks (sender as for heartbeats)."""
 
     from_engine: str = ""
     consumer_rank: int = 0

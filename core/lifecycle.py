@@ -302,11 +302,16 @@ def _cancel(ss, rec: ConsumerRecord, ev) -> ConsumerRecord:
     return rec
 
 
-def _acknowledge(ss, rec: ConsumerRecord, ev) -> ConsumerRecord:
+def _acknowledge(ss, rec: ConsumerRecord, ev) -> ConsumerRecord | None:
     # P read the heartbeat at some time r >= sent_at (on D's clock), so the
-    # true deadline is never earlier than sent_at + time_left.
+    # true deadline is never earlier than sent_at + time_left.  A genuine
+    # answer echoes a heartbeat D sent (recorded before it went out), and P
+    # never grants more than a lease: anything else is forged or garbled.
+    if ev.sent_at > rec.last_heartbeat:
+        ss.ignored["implausible_ack"] += 1
+        return None
     if ev.time_left > 0:
-        bound = ev.sent_at + max(ev.time_left - rec.margin, 0.0)
+        bound = ev.sent_at + max(min(ev.time_left, rec.lease_s) - rec.margin, 0.0)
         if bound > rec.safe_until.get(ev.p_rank, -math.inf):
             rec.safe_until[ev.p_rank] = bound
     elif ev.time_left == 0:  # released on its consumers' notifications: every read finished

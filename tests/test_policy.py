@@ -11,6 +11,7 @@ from kvhandoff.core.events import (
     FinishedRecving,
     Freed,
     HeartbeatReceived,
+    HeartbeatSent,
     LeaseAcknowledged,
     LeaseExpired,
     ReleaseNotified,
@@ -35,6 +36,7 @@ def test_client_cancel_with_reads_in_flight_keeps_heartbeating_until_finished_re
     ledger = ledger_in(DState.READING)
     ledger.record(ClientCancelled, RID, 1.0)
     assert policy.heartbeat_due(ledger.state, D0) == {"prefill-0": [RID]}
+    ledger.record(HeartbeatSent, RID, 1.0)
     ledger.record(LeaseAcknowledged, RID, 1.1, p_rank=0, sent_at=1.0, time_left=9.0)
     ledger.record(SplitCompleted, RID, 2.0, split=0)
     assert policy.heartbeat_due(ledger.state, D0) == {"prefill-0": [RID]}
@@ -96,10 +98,16 @@ def test_expired_then_freed_answers_gone():
 
 
 def _reading(*acks):
-    ledger = ledger_in(DState.READING)  # margin 0.5, two splits on P rank 0
+    ledger = ledger_in(DState.READING)  # margin 0.5, lease 10, two splits on P rank 0
     for t, sent_at, left in acks:
-        ledger.record(LeaseAcknowledged, RID, t, p_rank=0, sent_at=sent_at, time_left=left)
+        _ack(ledger, t, sent_at, left)
     return ledger
+
+
+def _ack(ledger, t, sent_at, left):
+    """D sent a heartbeat at ``sent_at``; P's answer arrives at ``t``."""
+    ledger.record(HeartbeatSent, RID, sent_at)
+    ledger.record(LeaseAcknowledged, RID, t, p_rank=0, sent_at=sent_at, time_left=left)
 
 
 def test_verdict_pending_while_reads_in_flight():
@@ -120,7 +128,7 @@ def test_verdict_waits_for_a_later_ack_when_a_read_finishes_after_the_proven_dea
     assert policy.read_verdict(ledger.state, D0, RID) is Verdict.PENDING
     assert policy.reads_to_report(ledger.state, D0) == []
     # heartbeat sent at 6.5 (after the read) answered "alive": P held the blocks throughout
-    ledger.record(LeaseAcknowledged, RID, 6.6, p_rank=0, sent_at=6.5, time_left=0.2)
+    _ack(ledger, 6.6, 6.5, 0.2)
     assert policy.read_verdict(ledger.state, D0, RID) is Verdict.CONFIRMED
 
 
@@ -128,7 +136,7 @@ def test_verdict_unsafe_when_p_says_gone_after_an_unproven_completion():
     ledger = _reading((1.0, 0.9, 5.0))
     ledger.record(SplitCompleted, RID, 5.0, split=0)
     ledger.record(SplitCompleted, RID, 9.0, split=1)
-    ledger.record(LeaseAcknowledged, RID, 9.2, p_rank=0, sent_at=9.1, time_left=-1.0)
+    _ack(ledger, 9.2, 9.1, -1.0)
     assert policy.read_verdict(ledger.state, D0, RID) is Verdict.UNSAFE
     assert policy.reads_to_report(ledger.state, D0) == [RID]
     ledger.record(FinishedRecving, RID, 9.3)
@@ -172,3 +180,12 @@ def test_lease_time_left_checks_the_token_when_p_minted_one():
     ledger.record(Exported, RID, 0.0, lease_s=5.0, consumer_ranks=(0,), token="secret")
     assert policy.lease_time_left(ledger.state, P0, RID, 1.0, token="secret") == 4.0
     assert policy.lease_time_left(ledger.state, P0, RID, 1.0, token="wrong") == -1.0
+
+
+def test_forged_or_garbled_acks_grant_nothing():
+    ledger = ledger_in(DState.READING)  # last heartbeat: admission, t=0.001; lease 10
+    ledger.record(LeaseAcknowledged, RID, 1.0, p_rank=0, sent_at=1e12, time_left=5.0)
+    assert ledger.state.record(D0, RID).safe_until == {}  # echoes no heartbeat D sent
+    assert ledger.state.streams[D0].ignored["implausible_ack"] == 1
+    _ack(ledger, 2.0, 1.5, 1e9)  # more than a lease: capped
+    assert ledger.state.record(D0, RID).safe_until == {0: 1.5 + 10.0 - 0.5}

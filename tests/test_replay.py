@@ -148,8 +148,8 @@ def test_cancelled_request_that_stopped_heartbeating_is_named(tmp_path, capsys):
 def test_bytes_served_after_p_freed_them_are_a_violation(tmp_path, capsys):
     e = Engines(tmp_path)
     e.start_read("req-1", 1.0)
-    e.D.record(LeaseAcknowledged, "req-1", 5.0, p_rank=0, sent_at=5.0, time_left=100.0)  # a lie
     e.D.record(HeartbeatSent, "req-1", 5.0)
+    e.D.record(LeaseAcknowledged, "req-1", 5.0, p_rank=0, sent_at=5.0, time_left=9.9)  # a lie
     e.expire("req-1", 11.3)  # P never got the later heartbeats (a partition)
     e.D.record(HeartbeatSent, "req-1", 12.0)
     e.finish_read("req-1", 12.5)

@@ -167,3 +167,28 @@ def test_bad_geometry_is_rejected_with_a_notify_only_release(workers):
     assert next(e for e in d_events if e.kind == "release_sent").notify_only
     assert "remote_block_ids" in next(e for e in d_events if e.kind == "rejected").reason
     assert not any(dc[k].abs().sum().item() for k in dc)
+
+
+def test_parameters_read_again_after_the_release_are_refused_not_served(workers, tmp_path):
+    """A router retry, or a D restarted with the same engine id, reads released blocks again.
+
+    P freed (and may have reused) the blocks on the first reader's release; the
+    second reader is another transport peer, so P answers its heartbeat "gone"
+    and D fails the request instead of serving whatever the blocks hold now.
+    """
+    p, d, pc, dc, port = workers
+    _export(p, "r5", 2, "tok-5")
+    params = _params("r5", port, (11, 12), "tok-5")
+    d.start_step(StepPlan(admits=[Admit("L5", params, "", 2 * BLOCK)], reads=[Read("L5", [[1, 2]])]))
+    _pump(p, d, lambda s, r, f: "r5" in s and "L5" in r)
+    extra = {"lease_s": LEASE, "heartbeat_interval_s": 0.3, "lease_margin_s": 0.2,
+             "log_dir": str(tmp_path / "again"), "side_channel_port": port, "read_timeout_s": 10.0}
+    d2 = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "D-w", Side.D, 0, 1, COMPAT)
+    try:
+        d2.register_kv_caches(_caches(False))
+        d2.start_step(StepPlan(admits=[Admit("L5b", params, "", 2 * BLOCK)],
+                               reads=[Read("L5b", [[3, 4]])]))
+        _, recved, failed = _pump(p, d2, lambda s, r, f: "L5b" in r, timeout=LEASE * 2)
+        assert failed == {"L5b"}
+    finally:
+        d2.close()

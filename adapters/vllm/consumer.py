@@ -16,7 +16,7 @@ import structlog
 
 from kvhandoff.adapters.vllm.metadata import Admit, StepPlan
 from kvhandoff.adapters.vllm.params import MalformedTransferParams, RemotePrefill
-from kvhandoff.adapters.vllm.side_channel import handshake
+from kvhandoff.adapters.vllm.side_channel import HandshakeFailed, handshake
 from kvhandoff.core import messages
 from kvhandoff.core.errors import GeometryMismatch, MalformedMessage
 from kvhandoff.core.events import (
@@ -126,14 +126,17 @@ class ConsumerHalf:
             error = box.get("error")
             if error is None:
                 hello, md = box["result"]
-                try:
+                try:  # a hostile hello must fail its requests, never the engine
+                    num_blocks = hello["compat"].get("num_blocks", 0)
+                    tp_size = hello["compat"].get("tp_size", 0)
+                    if not all(type(v) is int for v in (num_blocks, tp_size)):
+                        raise HandshakeFailed(f"{key[0]}:{key[1]}: num_blocks / tp_size must be "
+                                              f"integers, found {num_blocks!r} / {tp_size!r}")
                     agent = self.transport.add_peer(md)
                 except Exception as exc:
                     error = exc
                 else:
-                    self._peers[key] = ProducerLink(
-                        hello["engine_id"], agent, int(hello["compat"].get("num_blocks", 0)),
-                        int(hello["compat"].get("tp_size", 0)))
+                    self._peers[key] = ProducerLink(hello["engine_id"], agent, num_blocks, tp_size)
                     log.info("vllm.worker.producer_connected", producer=hello["engine_id"],
                              agent=agent)
             if error is not None:
@@ -381,7 +384,9 @@ class ConsumerHalf:
             self._count("acks_received")
             for rid, left in sorted(msg.time_left.items()):
                 rec = self._rec(rid)
-                if isinstance(rec, ConsumerRecord) and rec.remote_engine == msg.engine:
+                # Only the P agent this request reads from may vouch for its lease.
+                if (isinstance(rec, ConsumerRecord) and rec.remote_engine == msg.engine
+                        and note.peer == self._producer_agent(rid)):
                     self._record(LeaseAcknowledged, rid, now, p_rank=msg.rank,
                                  sent_at=msg.sent_at, time_left=left)
                 else:
@@ -435,6 +440,13 @@ class ConsumerHalf:
             for rid in sorted(rids):
                 self._record(HeartbeatSent, rid, now)
                 self._fresh.discard(rid)
+
+    def _producer_agent(self, rid: str) -> str | None:
+        inc = self._incoming.get(self._by_remote.get(rid, ""))
+        if inc is None or inc.remote is None:
+            return None
+        link = self._peers.get((inc.remote.host, inc.remote.port + self.rank))
+        return link.agent if link is not None else None
 
     def _token_of(self, rid: str) -> str:
         inc = self._incoming.get(self._by_remote.get(rid, ""))

@@ -60,14 +60,6 @@ def _get(params: dict[str, Any], name: str, kind: type) -> Any:
     return v
 
 
-def wants_remote_prefill(params: Any) -> bool:
-    return isinstance(params, dict) and params.get("do_remote_prefill") is True
-
-
-def wants_remote_decode(params: Any) -> bool:
-    return isinstance(params, dict) and params.get("do_remote_decode") is True
-
-
 def parse_remote_prefill(params: Any, max_block_id: int = 1 << 31) -> RemotePrefill:
     """Parse D's ``kv_transfer_params``; raise `MalformedTransferParams` naming the field."""
     if not isinstance(params, dict):

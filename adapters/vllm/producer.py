@@ -41,7 +41,6 @@ class ProducerHalf:
     def _on_hello(self, hello: dict[str, Any], metadata: bytes) -> bytes:
         with self.lock:
             agent = self.transport.add_peer(metadata)
-            self._d_agents[hello["engine_id"]] = agent
             log.info("vllm.worker.consumer_connected", consumer=hello["engine_id"], agent=agent)
             return self.transport.metadata()
 
@@ -73,7 +72,9 @@ class ProducerHalf:
                 self._count("heartbeats_received")
                 self._p_heartbeat(note.peer, msg, now, now)
             elif isinstance(msg, messages.Release):
-                self._record(ReleaseNotified, msg.request_id, now, from_engine=msg.engine,
+                # The sender is the peer agent (unique per process), not what the
+                # message claims: a restarted D or a replayed request is another peer.
+                self._record(ReleaseNotified, msg.request_id, now, from_engine=note.peer,
                              consumer_rank=msg.rank, token=msg.token)
             else:
                 self._count("notifications_ignored")
@@ -96,11 +97,11 @@ class ProducerHalf:
                 continue
             token = msg.token_of(i)
             rec = self._rec(rid)
-            if (isinstance(rec, ProducerRecord) and rec.state is PState.EXPORTED
-                    and (not rec.token or rec.token == token)):
+            before = rec.deadline if isinstance(rec, ProducerRecord) else None
+            self._record(HeartbeatReceived, rid, now, from_engine=peer, token=token)
+            if before is not None and rec.deadline > before:  # the fold accepted it
                 self._count("leases_extended")
-            self._record(HeartbeatReceived, rid, now, from_engine=msg.engine, token=token)
-            left[rid] = lease_time_left(self.state, self.stream, rid, now, engine=msg.engine,
+            left[rid] = lease_time_left(self.state, self.stream, rid, now, engine=peer,
                                         token=token)
         if not left:
             return
@@ -128,7 +129,6 @@ class ProducerHalf:
         """Answer notifications, reap expired leases, free; the ids vLLM may free now."""
         self._p_handle_notifs(now)
         for agent in self.transport.lost_peers():  # a D that died: its leases lapse on their own
-            self._d_agents = {e: a for e, a in self._d_agents.items() if a != agent}
             self.transport.remove_peer(agent)
             log.warning("vllm.worker.consumer_lost", agent=agent)
         for rid in expired_leases(self.state, self.stream, now):

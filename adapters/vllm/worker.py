@@ -103,7 +103,6 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self._server: SideChannelServer | None = None
         self._notif_thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._d_agents: dict[str, str] = {}  # D engine id -> agent name
         self._deferred: list[tuple[float, str, messages.Heartbeat]] = []
         # D
         self._peers: dict[tuple[str, int], ProducerLink] = {}  # (host, port) -> peer
