@@ -15,9 +15,10 @@ Invariants checked (ARCHITECTURE.md):
   request whose reads were still in flight).
 * ``served_freed`` — D accepted a request's bytes (RECEIVED, not cancelled)
   although one of its reads completed after P freed the source blocks for
-  any reason other than this D's own releases (each READ carries its
-  release, so a free on them follows the reads even if D logs the
-  completion later).
+  any reason other than this D's own releases (a release follows the
+  reads it covers: the simulator's READ carries it as its completion
+  notification, the vLLM connector sends it after finished_recving; either
+  way a free on it follows the reads even if D logs the completion later).
 * ``leak`` — an exported request that P still held one lease after its
   deadline, at the end of P's log.
 

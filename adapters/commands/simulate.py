@@ -69,8 +69,12 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     if args.list:
-        for name, (what, _) in SCENARIOS.items():
-            print(f"{name:32s} {what}")
+        if args.json:
+            print(orjson.dumps({"scenarios": {n: what for n, (what, _) in SCENARIOS.items()}})
+                  .decode())
+        else:
+            for name, (what, _) in SCENARIOS.items():
+                print(f"{name:32s} {what}")
         return 0
     jobs = args.jobs
     if jobs <= 0:

@@ -365,6 +365,10 @@ class ConsumerHalf:
             inc.held = keep
             if inc.handles and not inc.timed_out and now - inc.posted_at > self.cfg.read_timeout_s:
                 inc.timed_out = True
+                # NIXL cannot cancel a READ: its pages (and P's lease) stay held
+                # until the transfer drains or errors.
+                log.warning("vllm.worker.read_timeout", request_id=rid,
+                            timeout_s=self.cfg.read_timeout_s, splits_in_flight=len(inc.handles))
                 for split in sorted(set(inc.handles.values())):
                     self._record(SplitFailed, rid, now, split=split,
                                  reason=f"read timeout after {self.cfg.read_timeout_s}s")
