@@ -358,7 +358,7 @@ class ConsumerHalf:
                     for bucket in (self.stats, self.total):
                         bucket["read_s"].append(now - inc.posted_at)
                         bucket["read_bytes"].append(inc.bytes)
-                    self._urgent.add(inc.remote.engine_id)
+                    self._urgent.add((inc.remote.host, inc.remote.port + self.rank))
                 else:
                     self._record(SplitFailed, rid, now, split=split, reason=reason or "read failed")
                     self._count("reads_failed")
@@ -396,35 +396,51 @@ class ConsumerHalf:
                 else:
                     self._count("notifications_ignored")
 
-    def _awaiting_word(self) -> set[str]:
-        """P engines owing an answer: a request's reads drained, the verdict still PENDING."""
-        out: set[str] = set()
+    def _address_of(self, rid: str) -> tuple[str, int] | None:
+        """The side-channel address of the P rank this request reads from."""
+        inc = self._incoming.get(self._by_remote.get(rid, ""))
+        if inc is None or inc.remote is None:
+            return None
+        return (inc.remote.host, inc.remote.port + self.rank)
+
+    def _producer_agent(self, rid: str) -> str | None:
+        link = self._peers.get(self._address_of(rid) or ("", 0))
+        return link.agent if link is not None else None
+
+    def _awaiting_word(self) -> set[tuple[str, int]]:
+        """P ranks owing an answer: a request's reads drained, the verdict still PENDING."""
+        out: set[tuple[str, int]] = set()
         ss = self.state.streams.get(self.stream)
         for rid, rec in (ss.requests.items() if ss else ()):
             if (isinstance(rec, ConsumerRecord)
                     and rec.state in (DState.READING, DState.CANCELLED_READING)
                     and rec.split_done and all(d is not None for d in rec.split_done)
-                    and read_verdict(self.state, self.stream, rid) is Verdict.PENDING):
-                out.add(rec.remote_engine)
+                    and read_verdict(self.state, self.stream, rid) is Verdict.PENDING
+                    and (key := self._address_of(rid)) is not None):
+                out.add(key)
         return out
 
     def _d_heartbeats(self, now: float) -> None:
+        """One heartbeat per P rank (side-channel address) with every request due there."""
         waiting = self._awaiting_word() if self._urgent or self._reasked else set()
         self._reasked &= waiting
-        for engine, rids in sorted(heartbeat_due(self.state, self.stream).items()):
-            since = now - self._last_hb.get(engine, -math.inf)
+        groups: dict[tuple[str, int], list[str]] = {}
+        for rids in heartbeat_due(self.state, self.stream).values():
+            for rid in rids:
+                key = self._address_of(rid)
+                if key is not None:
+                    groups.setdefault(key, []).append(rid)
+        for key, rids in sorted(groups.items()):
+            since = now - self._last_hb.get(key, -math.inf)
             due = since >= self.cfg.heartbeat_interval_s
             fresh = any(r in self._fresh for r in rids)
             # Reads drained but unconfirmed: ask at once, then every quarter
             # interval (an acknowledgement can be lost like any notification).
-            urgent = engine in waiting and since >= (
-                self.cfg.heartbeat_interval_s / 4 if engine in self._reasked else 0.005)
+            urgent = key in waiting and since >= (
+                self.cfg.heartbeat_interval_s / 4 if key in self._reasked else 0.005)
             if not (due or fresh or urgent):
                 continue
-            inc = self._incoming.get(self._by_remote.get(rids[0], ""))
-            if inc is None or inc.remote is None:
-                continue
-            peer = self._peers.get((inc.remote.host, inc.remote.port + self.rank))
+            peer = self._peers.get(key)
             if peer is None:
                 continue
             ordered = tuple(sorted(rids))
@@ -434,23 +450,17 @@ class ConsumerHalf:
             try:
                 self.transport.send_notif(peer.agent, messages.encode(hb))
             except Exception as exc:
-                log.warning("vllm.worker.heartbeat_failed", producer=engine, error=str(exc))
+                log.warning("vllm.worker.heartbeat_failed", producer=peer.engine_id,
+                            error=str(exc))
                 continue
-            self._last_hb[engine] = now
+            self._last_hb[key] = now
             if urgent:
-                self._reasked.add(engine)
-            self._urgent.discard(engine)
+                self._reasked.add(key)
+            self._urgent.discard(key)
             self._count("heartbeats_sent")
-            for rid in sorted(rids):
+            for rid in ordered:
                 self._record(HeartbeatSent, rid, now)
                 self._fresh.discard(rid)
-
-    def _producer_agent(self, rid: str) -> str | None:
-        inc = self._incoming.get(self._by_remote.get(rid, ""))
-        if inc is None or inc.remote is None:
-            return None
-        link = self._peers.get((inc.remote.host, inc.remote.port + self.rank))
-        return link.agent if link is not None else None
 
     def _token_of(self, rid: str) -> str:
         inc = self._incoming.get(self._by_remote.get(rid, ""))

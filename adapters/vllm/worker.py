@@ -112,10 +112,10 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self._incoming: dict[str, IncomingHandoff] = {}  # local id -> adapter handle
         self._by_remote: dict[str, str] = {}  # P's request id -> local id
         self._fail_now: list[str] = []  # local ids to report failed this step
-        self._last_hb: dict[str, float] = {}
+        self._last_hb: dict[tuple[str, int], float] = {}  # per P rank address
         self._fresh: set[str] = set()  # admitted, not heartbeated yet
-        self._urgent: set[str] = set()  # engines whose ack we need now
-        self._reasked: set[str] = set()  # engines asked again for an overdue ack
+        self._urgent: set[tuple[str, int]] = set()  # P ranks whose ack we need now
+        self._reasked: set[tuple[str, int]] = set()  # P ranks asked again for an overdue ack
         log.info("vllm.worker.started", engine=engine_id, side=side.value, rank=rank,
                  event_log=self.log_path)
 
