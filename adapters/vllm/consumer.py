@@ -36,7 +36,7 @@ from kvhandoff.core.lifecycle import (
     ConsumerRecord,
     DState,
 )
-from kvhandoff.core.planning import coalesce
+from kvhandoff.core.planning import coalesce, validate_block_ids
 from kvhandoff.core.policy import (
     Verdict,
     heartbeat_due,
@@ -227,10 +227,10 @@ class ConsumerHalf:
         for what, expected, found in checks:
             if expected != found:
                 return str(GeometryMismatch(what, expected=expected, found=found))
-        bad = [b for b in remote.block_ids if b >= peer.num_blocks]
-        if bad:
-            return str(GeometryMismatch("remote_block_ids", expected=f"0..{peer.num_blocks - 1}",
-                                        found=bad[0]))
+        try:  # against P's real pool, now that the handshake told us its size
+            validate_block_ids(remote.block_ids, peer.num_blocks, "remote_block_ids")
+        except GeometryMismatch as exc:
+            return str(exc)
         return ""
 
     def _release(self, rid: str, now: float, notify_only: bool) -> None:
