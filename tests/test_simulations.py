@@ -61,7 +61,7 @@ def test_a_stray_release_never_makes_d_serve_freed_bytes():
 def test_a_stray_release_never_frees_blocks_under_a_read():
     # Until P minted release tokens, a stray release that reached P before the
     # consumer's first heartbeat bound the lease to the stray engine and freed
-    # it under the READ (docs/REQUESTS-sim.md, item 2).
+    # it under the READ (fixed with release tokens, commit 67774e1).
     summary = sweep(["release_from_wrong_peer"], range(40), "kvhandoff")
     assert summary.totals["freed_under_read"] == 0
     assert summary.totals["ignored_notifications"] > 0
