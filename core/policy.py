@@ -21,7 +21,7 @@ from kvhandoff.core.lifecycle import (
 
 __all__ = [
     "Verdict", "heartbeat_due", "expired_leases", "to_free", "lease_time_left",
-    "read_verdict", "reads_to_report",
+    "read_verdict", "reads_to_report", "awaiting_proof",
 ]
 
 _TO_FREE = frozenset({PState.RELEASED, PState.EXPIRED, PState.ABORTED})
@@ -95,3 +95,15 @@ def reads_to_report(state: LifecycleState, stream: Stream) -> list[str]:
             if rec.state in (DState.READING, DState.CANCELLED_READING)
             and read_verdict_of(rec) is not Verdict.PENDING
             and all(d is not None for d in rec.split_done)]
+
+
+def awaiting_proof(state: LifecycleState, stream: Stream) -> list[str]:
+    """D: requests whose reads drained but whose verdict is still PENDING.
+
+    Their bytes are here and wait only for P's word: the adapter asks P again
+    (a heartbeat) sooner than the period, since an acknowledgement can be lost.
+    """
+    return [rid for rid, rec in _records(state, stream)
+            if rec.state in (DState.READING, DState.CANCELLED_READING)
+            and all(d is not None for d in rec.split_done)
+            and read_verdict_of(rec) is Verdict.PENDING]

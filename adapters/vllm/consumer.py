@@ -38,9 +38,8 @@ from kvhandoff.core.lifecycle import (
 )
 from kvhandoff.core.planning import coalesce, validate_block_ids
 from kvhandoff.core.policy import (
-    Verdict,
+    awaiting_proof,
     heartbeat_due,
-    read_verdict,
     reads_to_report,
 )
 from kvhandoff.transports.base import ReadRequest
@@ -409,16 +408,8 @@ class ConsumerHalf:
 
     def _awaiting_word(self) -> set[tuple[str, int]]:
         """P ranks owing an answer: a request's reads drained, the verdict still PENDING."""
-        out: set[tuple[str, int]] = set()
-        ss = self.state.streams.get(self.stream)
-        for rid, rec in (ss.requests.items() if ss else ()):
-            if (isinstance(rec, ConsumerRecord)
-                    and rec.state in (DState.READING, DState.CANCELLED_READING)
-                    and rec.split_done and all(d is not None for d in rec.split_done)
-                    and read_verdict(self.state, self.stream, rid) is Verdict.PENDING
-                    and (key := self._address_of(rid)) is not None):
-                out.add(key)
-        return out
+        keys = (self._address_of(rid) for rid in awaiting_proof(self.state, self.stream))
+        return {key for key in keys if key is not None}
 
     def _d_heartbeats(self, now: float) -> None:
         """One heartbeat per P rank (side-channel address) with every request due there."""
