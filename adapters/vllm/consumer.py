@@ -374,13 +374,7 @@ class ConsumerHalf:
                 self._count("reads_failed")
 
     def _d_notifs(self, now: float) -> None:
-        for note in self.transport.recv_notifs():
-            try:
-                msg = messages.decode(note.message)
-            except MalformedMessage as exc:
-                self._count("notifications_ignored")
-                log.warning("vllm.worker.malformed_notification", peer=note.peer, error=str(exc))
-                continue
+        for peer, msg in self._notifications():
             if not isinstance(msg, messages.HeartbeatAck):
                 self._count("notifications_ignored")
                 continue
@@ -389,7 +383,7 @@ class ConsumerHalf:
                 rec = self._rec(rid)
                 # Only the P agent this request reads from may vouch for its lease.
                 if (isinstance(rec, ConsumerRecord) and rec.remote_engine == msg.engine
-                        and note.peer == self._producer_agent(rid)):
+                        and peer == self._producer_agent(rid)):
                     self._record(LeaseAcknowledged, rid, now, p_rank=msg.rank,
                                  sent_at=msg.sent_at, time_left=left)
                 else:

@@ -14,7 +14,6 @@ import structlog
 
 from kvhandoff.adapters.vllm.metadata import StepPlan
 from kvhandoff.core import messages
-from kvhandoff.core.errors import MalformedMessage
 from kvhandoff.core.events import (
     Aborted,
     Exported,
@@ -61,20 +60,14 @@ class ProducerHalf:
         deferred, self._deferred = self._deferred, []
         for since, peer, hb in deferred:
             self._p_heartbeat(peer, hb, now, since)
-        for note in self.transport.recv_notifs():
-            try:
-                msg = messages.decode(note.message)
-            except MalformedMessage as exc:
-                self._count("notifications_ignored")
-                log.warning("vllm.worker.malformed_notification", peer=note.peer, error=str(exc))
-                continue
+        for peer, msg in self._notifications():
             if isinstance(msg, messages.Heartbeat):
                 self._count("heartbeats_received")
-                self._p_heartbeat(note.peer, msg, now, now)
+                self._p_heartbeat(peer, msg, now, now)
             elif isinstance(msg, messages.Release):
                 # The sender is the peer agent (unique per process), not what the
                 # message claims: a restarted D or a replayed request is another peer.
-                self._record(ReleaseNotified, msg.request_id, now, from_engine=note.peer,
+                self._record(ReleaseNotified, msg.request_id, now, from_engine=peer,
                              consumer_rank=msg.rank, token=msg.token)
             else:
                 self._count("notifications_ignored")

@@ -47,7 +47,7 @@ from kvhandoff.adapters.vllm.producer import ProducerHalf
 from kvhandoff.adapters.vllm.side_channel import SideChannelServer
 from kvhandoff.adapters.vllm.transport import make_transport
 from kvhandoff.core import messages
-from kvhandoff.core.errors import LifecycleError
+from kvhandoff.core.errors import LifecycleError, MalformedMessage
 from kvhandoff.core.events import (
     Side,
     Stream,
@@ -138,6 +138,17 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
 
     def _rec(self, rid: str) -> Any:
         return self.state.record(self.stream, rid)
+
+    def _notifications(self) -> list[tuple[str, messages.Message]]:
+        """Received notifications as (peer, message); garbled ones are counted and logged."""
+        out = []
+        for note in self.transport.recv_notifs():
+            try:
+                out.append((note.peer, messages.decode(note.message)))
+            except MalformedMessage as exc:
+                self._count("notifications_ignored")
+                log.warning("vllm.worker.malformed_notification", peer=note.peer, error=str(exc))
+        return out
 
     def take_stats(self) -> dict[str, Any]:
         with self.lock:
