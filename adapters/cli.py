@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     if not structlog.is_configured():
         # The command line is an application, so it may configure logging: logs
         # go to stderr, leaving stdout to the one JSON object of --json.
-        structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+        # The stream is looked up per logger, not bound once, so a caller that
+        # swaps sys.stderr (a test harness, an embedding app) is followed.
+        structlog.configure(logger_factory=lambda *_: structlog.PrintLogger(sys.stderr))
     args = build_parser(argv).parse_args(argv)
     if args.command == "bench":
         result = _benchmark(args.target).run(args)
