@@ -122,6 +122,11 @@ class ConsumerRecord:
         self.t0 = t0
         self.t_end = math.inf
 
+    @property
+    def drained(self) -> bool:
+        """Every posted split has completed or failed (no READ owns the pages any more)."""
+        return None not in self.split_done
+
     def key(self) -> tuple:
         return (self.state.value, self.remote_engine, self.remote_ranks, self.num_blocks,
                 self.lease_s, self.margin, self.local_id, self.split_ranks, tuple(self.split_done),
@@ -327,7 +332,7 @@ def _note_heartbeat(ss, rec: ConsumerRecord, ev) -> ConsumerRecord:
 
 
 def _drained(ss, rec: ConsumerRecord, ev) -> ConsumerRecord:
-    if any(d is None for d in rec.split_done):
+    if not rec.drained:
         raise _Refused("splits still in flight")
     return rec
 

@@ -94,7 +94,7 @@ def reads_to_report(state: LifecycleState, stream: Stream) -> list[str]:
     return [rid for rid, rec in _records(state, stream)
             if rec.state in (DState.READING, DState.CANCELLED_READING)
             and read_verdict_of(rec) is not Verdict.PENDING
-            and all(d is not None for d in rec.split_done)]
+            and rec.drained]
 
 
 def awaiting_proof(state: LifecycleState, stream: Stream) -> list[str]:
@@ -105,5 +105,5 @@ def awaiting_proof(state: LifecycleState, stream: Stream) -> list[str]:
     """
     return [rid for rid, rec in _records(state, stream)
             if rec.state in (DState.READING, DState.CANCELLED_READING)
-            and all(d is not None for d in rec.split_done)
+            and rec.drained
             and read_verdict_of(rec) is Verdict.PENDING]

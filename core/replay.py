@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -66,6 +67,9 @@ class Replay:
     violations: list[Violation] = field(default_factory=list)
     freed_under_read: int = 0
     timeline: list[tuple[Event, str]] = field(default_factory=list)
+    # Last gap reported per (D stream, request): kept here, not in the folded
+    # record, so the state (and its hash) stays exactly the fold of the log.
+    gap_reported_at: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
         states: Counter[str] = Counter()
@@ -179,12 +183,13 @@ def _reads_in_flight(state: LifecycleState, freed: Event, p_rec: ProducerRecord)
 
 def _check_consumer(result: Replay, freed_at: dict, event: Event, rec: ConsumerRecord) -> None:
     if rec.state in HEARTBEAT_STATES or event.kind == "finished_recving":
-        gap = event.t - rec.last_heartbeat
+        key = (event.stream, event.request_id)
+        gap = event.t - max(rec.last_heartbeat, result.gap_reported_at.get(key, -math.inf))
         if gap > rec.lease_s:
             result.violations.append(Violation(
                 "heartbeat_gap", describe(event),
                 f"no heartbeat for {gap:.3f}s (lease {rec.lease_s}s) while in {rec.state.value}"))
-            rec.last_heartbeat = event.t  # report each gap once
+            result.gap_reported_at[key] = event.t  # report each gap once
     if rec.state is DState.RECEIVED and event.kind == "finished_recving" and not rec.cancelled:
         for rank, done in zip(rec.split_ranks, rec.split_done, strict=True):
             t_free, released_by = freed_at.get((rec.remote_engine, rank, event.request_id),

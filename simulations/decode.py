@@ -270,7 +270,7 @@ class DecodeEngine:
         for rid, imp in self.reading.items():
             rec = self.state.record(self.stream, rid)
             assert isinstance(rec, ConsumerRecord)
-            if any(d is None for d in rec.split_done):
+            if not rec.drained:
                 continue
             if imp.drained_at is None:
                 imp.drained_at = now

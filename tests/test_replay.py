@@ -29,8 +29,9 @@ from kvhandoff.core.events import (
     Validated,
 )
 from kvhandoff.core.ledger import Ledger
-from kvhandoff.core.lifecycle import DState, LifecycleState, PState
-from kvhandoff.core.log import LogWriter
+from kvhandoff.core.lifecycle import DState, LifecycleState, PState, fold
+from kvhandoff.core.log import LogWriter, read_logs
+from kvhandoff.core.replay import state_hash
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LEASE = 10.0
@@ -143,6 +144,17 @@ def test_cancelled_request_that_stopped_heartbeating_is_named(tmp_path, capsys):
     assert out["freed_under_read"] == 1
     assert [v["invariant"] for v in out["violations"]] == ["heartbeat_gap"]
     assert out["violations"][0]["event"] == "decode-0/D0#6 split_completed req-1"
+
+
+def test_checking_leaves_the_state_exactly_the_fold_of_the_logs(tmp_path, capsys):
+    e = Engines(tmp_path)
+    e.start_read("req-1", 1.0)
+    e.D.record(ClientCancelled, "req-1", 1.5)
+    e.D.record(SplitCompleted, "req-1", 12.0, split=0)  # a heartbeat gap is reported here
+    paths = e.close()
+    code, out = _json(capsys, *paths)
+    assert [v["invariant"] for v in out["violations"]] == ["heartbeat_gap"]
+    assert out["state_hash"] == state_hash(fold(read_logs(paths)))
 
 
 def test_bytes_served_after_p_freed_them_are_a_violation(tmp_path, capsys):

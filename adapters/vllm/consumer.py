@@ -468,7 +468,7 @@ class ConsumerHalf:
             rec = self._rec(inc.remote.request_id) if inc.admitted and inc.remote else None
             if (isinstance(rec, ConsumerRecord) and not inc.handles and inc.posted_at
                     and rec.state in (DState.READING, DState.CANCELLED_READING)
-                    and all(d is not None for d in rec.split_done)
+                    and rec.drained
                     and (rec.state is DState.CANCELLED_READING
                          or now - inc.posted_at > self.cfg.read_timeout_s)
                     and inc.remote.request_id not in due):
