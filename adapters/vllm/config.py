@@ -20,6 +20,7 @@ with `ConnectorConfigError`, never discovered mid-request.
 | producer_tp_size       | 0 (unchecked)       | D: P's TP size; a mismatch is refused at start-up     |
 | debug_read_delay_s     | 0.0                 | tests only: hold each READ's completion this long    |
 | debug_read_delay_param | false               | tests/demo only: honour a request's ``kvhandoff_debug_read_delay_s`` |
+| trusted_producers      | loopback only       | D: producers D may connect to (HOST[:PORT] or CIDR[:PORT] entries) |
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class UnsupportedTopology(RuntimeError):
 
 
 FAILURE_POLICIES = ("fail", "recompute")
+LOOPBACK_PRODUCERS = ("127.0.0.0/8", "::1", "localhost")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +63,7 @@ class HandoffConfig:
     producer_tp_size: int = 0
     debug_read_delay_s: float = 0.0
     debug_read_delay_param: bool = False
+    trusted_producers: tuple[str, ...] = LOOPBACK_PRODUCERS
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None, vllm_failure_policy: str = "fail",
@@ -88,6 +91,10 @@ class HandoffConfig:
             elif f.type in ("int", int):
                 if isinstance(v, bool) or not isinstance(v, int):
                     raise ConnectorConfigError(f.name, "an integer", v)
+            elif f.type == "tuple[str, ...]":
+                if not isinstance(v, list | tuple) or not v:
+                    raise ConnectorConfigError(f.name, "a non-empty list of strings", v)
+                v = tuple(v)
             elif not isinstance(v, str):
                 raise ConnectorConfigError(f.name, "a string", v)
             values[f.name] = v
@@ -126,6 +133,10 @@ class HandoffConfig:
             except ValueError:
                 raise ConnectorConfigError("side_channel_port", "an integer (from the environment)",
                                            env.get("VLLM_NIXL_SIDE_CHANNEL_PORT")) from None
+        if "trusted_producers" in values:
+            from kvhandoff.adapters.vllm.trust import TrustedProducers
+
+            TrustedProducers(values["trusted_producers"])  # refuse bad entries at start-up
         if not values.get("log_dir"):
             values["log_dir"] = tempfile.mkdtemp(prefix="kvhandoff-events-")
         return cls(**values)

@@ -46,6 +46,47 @@ def flush_all_logs() -> list[str]:
     return sorted(w.flush() for w in list(_WORKERS))
 
 
+def _flush_quietly() -> None:
+    for w in list(_WORKERS):
+        try:
+            w.flush()
+        except Exception:  # noqa: S110 - interrupted mid-write: the step's own flush follows
+            pass
+
+
+def _flush_on_exit() -> None:
+    """Flush the event logs when this process is told to stop.
+
+    Under ``vllm serve`` the engine core runs in its own process; on Ctrl-C or
+    SIGTERM its handler ends the busy loop, and with the default
+    ``--shutdown-timeout 0`` the parent force-kills it right after.  Logs are
+    already flushed every engine step (`HandoffWorker`); this catches the
+    step in progress.  The previous handler (vLLM's) still runs.
+    """
+    import atexit
+    import signal
+    import threading
+
+    if getattr(_flush_on_exit, "installed", False):
+        return
+    _flush_on_exit.installed = True
+    atexit.register(_flush_quietly)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous = signal.getsignal(sig)
+
+        def handler(signum: int, frame: Any, previous: Any = previous) -> None:
+            _flush_quietly()
+            if callable(previous):
+                previous(signum, frame)
+            elif previous == signal.SIG_DFL:
+                signal.signal(signum, signal.SIG_DFL)
+                signal.raise_signal(signum)
+
+        signal.signal(sig, handler)
+
+
 def stats_snapshot() -> dict[str, Any]:
     """Cumulative connector counters of the workers in this process."""
     out: dict[str, Any] = {}
@@ -125,6 +166,7 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
                                         get_tensor_model_parallel_rank(),
                                         par.tensor_parallel_size, compat)
             _WORKERS.add(self.worker)
+            _flush_on_exit()
 
     # ---- class-level hooks ------------------------------------------------
 

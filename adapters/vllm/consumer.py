@@ -3,6 +3,12 @@
 A mixin of `HandoffWorker` (which owns the ledger, the transport and the
 lock; see its module docstring).  Everything here runs on the engine thread
 inside `start_step` / `finish_step`.
+
+Nothing a request carries may stop the engine: each per-request step runs
+under `_contained`, which turns an exception into `_give_up` for that
+request (logged once; the fold refuses what it must, P is released
+notify-only when no read owns its blocks, vLLM hears ``failed_recving``
+exactly once) and carries on with the next request.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from typing import Any
 
 import structlog
 
-from kvhandoff.adapters.vllm.metadata import Admit, StepPlan
+from kvhandoff.adapters.vllm.metadata import Admit, Failure, StepPlan
 from kvhandoff.adapters.vllm.params import MalformedTransferParams, RemotePrefill
 from kvhandoff.adapters.vllm.side_channel import HandshakeFailed, handshake
 from kvhandoff.core import messages
@@ -45,6 +51,11 @@ from kvhandoff.core.policy import (
 from kvhandoff.transports.base import ReadRequest
 
 log = structlog.get_logger(__name__)
+
+
+class TransferParamsReused(MalformedTransferParams):
+    """The parameters name a P request this D already took: they are single-use."""
+
 
 @dataclass(slots=True)
 class ProducerLink:
@@ -167,7 +178,7 @@ class ConsumerHalf:
         try:
             if a.error and a.identity is None:
                 raise MalformedTransferParams(a.error)
-            if a.error:
+            if a.error or a.cleanup:
                 # Bad fields but a readable identity: admit, then reject, so
                 # the right P hears a notify-only release and frees at once.
                 engine, prid, host, port, token = a.identity
@@ -176,6 +187,10 @@ class ConsumerHalf:
             else:
                 remote = parse_remote_prefill(a.params)
             inc.remote = remote
+            self.trusted.check(remote.host, remote.port)  # before a single packet leaves
+            if self._known(remote, local_id, a.cleanup):
+                inc.remote = None
+                return
             peer = self._peer_for(remote, now)
             if peer is None:
                 inc.parked = True
@@ -184,10 +199,6 @@ class ConsumerHalf:
             if peer.engine_id != remote.engine_id:
                 raise GeometryMismatch("remote_engine_id (unknown engine at that address)",
                                        expected=peer.engine_id, found=remote.engine_id)
-            if remote.request_id in self._by_remote:
-                raise MalformedTransferParams(
-                    f"remote_request_id {remote.request_id!r} is already being read by "
-                    f"local request {self._by_remote[remote.request_id]!r}")
         except (MalformedMessage, GeometryMismatch) as exc:
             inc.error = f"{type(exc).__name__}: {exc}"
             inc.remote = None
@@ -205,6 +216,8 @@ class ConsumerHalf:
         inc.admitted = True
         self._by_remote[rid] = local_id
         self._fresh.add(rid)
+        if a.cleanup:
+            return  # its cancel (same plan) sends P a notify-only release
         reason = a.error or self._geometry_problem(remote, peer, a.num_prompt_tokens)
         if reason:
             inc.error = reason
@@ -215,6 +228,24 @@ class ConsumerHalf:
             self._release(rid, now, notify_only=True)
         else:
             self._record(Validated, rid, now)
+
+    def _known(self, remote: RemotePrefill, local_id: str, cleanup: bool) -> bool:
+        """True for a clean-up of a request this D already took (nothing to do for it).
+
+        Parameters are single-use: a second request naming a P request this D
+        took (in any state, released included, until the record is pruned one
+        lease after it ended) must never read P's blocks again; it fails.
+        """
+        rec = self._rec(remote.request_id)
+        if not isinstance(rec, ConsumerRecord):
+            return False
+        if cleanup:
+            log.info("vllm.worker.cleanup_of_known_request", local_request_id=local_id,
+                     request_id=remote.request_id, state=rec.state.value)
+            return True
+        raise TransferParamsReused(
+            f"remote_request_id {remote.request_id!r} was already taken by local request "
+            f"{rec.local_id!r} (state {rec.state.value}): transfer parameters are single-use")
 
     def _geometry_problem(self, remote: RemotePrefill, peer: ProducerLink, num_prompt_tokens: int) -> str:
         bs = int(self.compat["block_size"])
@@ -274,6 +305,8 @@ class ConsumerHalf:
         inc = self._incoming.get(local_id)
         if inc is None:
             log.error("vllm.worker.read_for_unknown_request", local_request_id=local_id)
+            if awaiting:  # vLLM parked it for a completion: it gets one, a failure
+                self._fail_now.append(local_id)
             return
         inc.read_entry = awaiting
         if inc.parked:  # the handshake with its P is still running: post when it is done
@@ -318,11 +351,65 @@ class ConsumerHalf:
 
     def _d_plan(self, plan: StepPlan, now: float) -> None:
         for a in plan.admits:
-            self._admit(a, now)
+            self._contained("admission", a.local_id, now, self._admit, a, now)
+        for f in plan.failures:
+            self._scheduler_failed(f, now)
         for r in plan.reads:
-            self._post_read(r.local_id, r.local_block_ids, r.awaiting, now, r.skip)
+            self._contained("read", r.local_id, now, self._post_read, r.local_id,
+                            r.local_block_ids, r.awaiting, now, r.skip)
         for local_id in plan.cancels:
-            self._cancel(local_id, now)
+            self._contained("cancel", local_id, now, self._cancel, local_id, now)
+
+    # ---- containment: one request's error fails that request only ---------
+
+    def _contained(self, what: str, local_id: str, now: float, step: Any, *args: Any) -> None:
+        try:
+            step(*args)
+        except Exception as exc:
+            self._give_up(local_id, f"{what}: {type(exc).__name__}: {exc}", now)
+
+    def _scheduler_failed(self, f: Failure, now: float) -> None:
+        inc = self._incoming.setdefault(f.local_id, IncomingHandoff(f.local_id, None))
+        inc.read_entry = inc.read_entry or f.awaiting
+        self._give_up(f.local_id, f"scheduler: {f.reason}", now)
+
+    def _give_up(self, local_id: str, reason: str, now: float) -> None:
+        """Fail one request after an unexpected error, without touching any other.
+
+        Logged once.  What the fold allows decides the rest: a request that
+        posted no read is rejected (or cancelled) and P released notify-only;
+        one with READs in flight has them failed and is reported when they
+        drain (its pages stay held until then); vLLM hears of it once.
+        """
+        inc = self._incoming.get(local_id)
+        if inc is None or inc.error.startswith("gave up"):
+            return
+        log.error("vllm.worker.request_failed", local_request_id=local_id, error=reason)
+        inc.error = f"gave up: {reason}"
+        self._count("rejected")
+        rid = inc.remote.request_id if inc.admitted and inc.remote else None
+        rec = self._rec(rid) if rid else None
+        try:
+            state = rec.state if isinstance(rec, ConsumerRecord) else None
+            if state is DState.ADMITTED:
+                self._record(Rejected, rid, now, reason=reason[:500])
+                self._release(rid, now, notify_only=True)
+            elif state is DState.VALIDATED:
+                self._record(ClientCancelled, rid, now)
+                self._release(rid, now, notify_only=True)
+            elif state in (DState.READING, DState.CANCELLED_READING) and not inc.timed_out:
+                inc.timed_out = True  # its READs only drain now; _d_report reports it
+                for split, done in enumerate(rec.split_done):
+                    if done is None:
+                        self._record(SplitFailed, rid, now, split=split, reason=reason[:500])
+                return
+        except Exception as exc:  # the fold stays as it was; vLLM still hears below
+            log.error("vllm.worker.give_up_incomplete", local_request_id=local_id,
+                      error=f"{type(exc).__name__}: {exc}")
+        if inc.handles:
+            return  # READs still own the pages: reported when they drain
+        if inc.read_entry and local_id not in self._fail_now:
+            self._fail_now.append(local_id)
 
     def _local_of(self, handle: int) -> IncomingHandoff | None:
         for inc in self._incoming.values():
@@ -341,37 +428,41 @@ class ConsumerHalf:
                 delay = max(delay, inc.remote.debug_read_delay_s)
             inc.held.append((inc.posted_at + delay, c.handle, c.ok, c.reason))
         for inc in list(self._incoming.values()):
-            rid = inc.remote.request_id if inc.remote else ""
-            keep = []
-            for due, handle, ok, reason in inc.held:
-                if now < due:
-                    keep.append((due, handle, ok, reason))
-                    continue
-                split = inc.handles.pop(handle)
-                if inc.timed_out:
-                    continue  # already failed on timeout; the bytes drained now
-                if ok:
-                    self._record(SplitCompleted, rid, now, split=split)
-                    self._count("reads_completed")
-                    self._count("bytes_read", inc.bytes)
-                    for bucket in (self.stats, self.total):
-                        bucket["read_s"].append(now - inc.posted_at)
-                        bucket["read_bytes"].append(inc.bytes)
-                    self._urgent.add((inc.remote.host, inc.remote.port + self.rank))
-                else:
-                    self._record(SplitFailed, rid, now, split=split, reason=reason or "read failed")
-                    self._count("reads_failed")
-            inc.held = keep
-            if inc.handles and not inc.timed_out and now - inc.posted_at > self.cfg.read_timeout_s:
-                inc.timed_out = True
-                # NIXL cannot cancel a READ: its pages (and P's lease) stay held
-                # until the transfer drains or errors.
-                log.warning("vllm.worker.read_timeout", request_id=rid,
-                            timeout_s=self.cfg.read_timeout_s, splits_in_flight=len(inc.handles))
-                for split in sorted(set(inc.handles.values())):
-                    self._record(SplitFailed, rid, now, split=split,
-                                 reason=f"read timeout after {self.cfg.read_timeout_s}s")
+            self._contained("completion", inc.local_id, now, self._drain, inc, now)
+
+    def _drain(self, inc: IncomingHandoff, now: float) -> None:
+        """Record the READ completions of one request that are due (see debug_read_delay_s)."""
+        rid = inc.remote.request_id if inc.remote else ""
+        keep = []
+        for due, handle, ok, reason in inc.held:
+            if now < due:
+                keep.append((due, handle, ok, reason))
+                continue
+            split = inc.handles.pop(handle)
+            if inc.timed_out:
+                continue  # already failed on timeout; the bytes drained now
+            if ok:
+                self._record(SplitCompleted, rid, now, split=split)
+                self._count("reads_completed")
+                self._count("bytes_read", inc.bytes)
+                for bucket in (self.stats, self.total):
+                    bucket["read_s"].append(now - inc.posted_at)
+                    bucket["read_bytes"].append(inc.bytes)
+                self._urgent.add((inc.remote.host, inc.remote.port + self.rank))
+            else:
+                self._record(SplitFailed, rid, now, split=split, reason=reason or "read failed")
                 self._count("reads_failed")
+        inc.held = keep
+        if inc.handles and not inc.timed_out and now - inc.posted_at > self.cfg.read_timeout_s:
+            inc.timed_out = True
+            # NIXL cannot cancel a READ: its pages (and P's lease) stay held
+            # until the transfer drains or errors.
+            log.warning("vllm.worker.read_timeout", request_id=rid,
+                        timeout_s=self.cfg.read_timeout_s, splits_in_flight=len(inc.handles))
+            for split in sorted(set(inc.handles.values())):
+                self._record(SplitFailed, rid, now, split=split,
+                             reason=f"read timeout after {self.cfg.read_timeout_s}s")
+            self._count("reads_failed")
 
     def _d_notifs(self, now: float) -> None:
         for peer, msg in self._notifications():
@@ -478,13 +569,18 @@ class ConsumerHalf:
             inc = self._incoming.get(local_id or "")
             if inc is None or inc.handles:
                 continue  # a timed-out READ still owns D's pages: wait for it to drain
-            self._record(FinishedRecving, rid, now)
-            ok = self._rec(rid).state is DState.RECEIVED
-            self._release(rid, now, notify_only=not ok)
-            if inc.read_entry:
-                finished.add(inc.local_id)
-                if not ok:
-                    failed.add(inc.local_id)
-            self._forget(inc.local_id)
+            self._contained("report", inc.local_id, now, self._report, rid, inc, now, finished,
+                            failed)
         return finished, failed
+
+    def _report(self, rid: str, inc: IncomingHandoff, now: float, finished: set[str],
+                failed: set[str]) -> None:
+        self._record(FinishedRecving, rid, now)
+        ok = self._rec(rid).state is DState.RECEIVED
+        self._release(rid, now, notify_only=not ok)
+        if inc.read_entry:
+            finished.add(inc.local_id)
+            if not ok:
+                failed.add(inc.local_id)
+        self._forget(inc.local_id)
 

@@ -21,6 +21,10 @@ class Admit:
     error: str
     num_prompt_tokens: int
     identity: tuple[str, str, str, int, str] | None = None  # (engine, request, host, port, token)
+    # vLLM's API server re-submits a failed or disconnected request's params as
+    # a pre-aborted request (``notify_kv_transfer_request_rejected``): nothing
+    # is read for it; P is told to release if this D never took the request.
+    cleanup: bool = False
 
 
 @dataclass(slots=True)
@@ -46,6 +50,15 @@ class Export:
     token: str = ""
 
 
+@dataclass(slots=True)
+class Failure:
+    """D: the scheduler half could not handle this request; the worker fails it (once)."""
+
+    local_id: str
+    reason: str
+    awaiting: bool  # vLLM waits for a finished_recving for it
+
+
 def _new_list() -> list:
     return []
 
@@ -60,10 +73,11 @@ class StepPlan:
     admits: list[Admit] = field(default_factory=_new_list)
     reads: list[Read] = field(default_factory=_new_list)
     cancels: list[str] = field(default_factory=_new_list)
+    failures: list[Failure] = field(default_factory=_new_list)
 
     def empty(self) -> bool:
         return not (self.prefill_started or self.exports or self.aborted or self.admits
-                    or self.reads or self.cancels)
+                    or self.reads or self.cancels or self.failures)
 
 
 def metadata_class() -> type:

@@ -51,6 +51,8 @@ class ProducerHalf:
                 except Exception as exc:  # never let the thread die silently
                     log.error("vllm.worker.notif_loop_error", error=str(exc),
                               error_type=type(exc).__name__)
+                finally:
+                    self.writer.flush()  # durable within one poll period
                 ss = self.state.streams.get(self.stream)
                 live = ss is not None and any(r.state in (PState.EXPORTED, PState.PREFILLING)
                                               for r in ss.requests.values())
@@ -61,16 +63,24 @@ class ProducerHalf:
         for since, peer, hb in deferred:
             self._p_heartbeat(peer, hb, now, since)
         for peer, msg in self._notifications():
-            if isinstance(msg, messages.Heartbeat):
-                self._count("heartbeats_received")
-                self._p_heartbeat(peer, msg, now, now)
-            elif isinstance(msg, messages.Release):
-                # The sender is the peer agent (unique per process), not what the
-                # message claims: a restarted D or a replayed request is another peer.
-                self._record(ReleaseNotified, msg.request_id, now, from_engine=peer,
-                             consumer_rank=msg.rank, token=msg.token)
-            else:
+            try:  # one peer's odd message must not cost the others theirs
+                self._p_notification(peer, msg, now)
+            except Exception as exc:
                 self._count("notifications_ignored")
+                log.error("vllm.worker.notification_error", peer=peer, error=str(exc),
+                          error_type=type(exc).__name__)
+
+    def _p_notification(self, peer: str, msg: messages.Message, now: float) -> None:
+        if isinstance(msg, messages.Heartbeat):
+            self._count("heartbeats_received")
+            self._p_heartbeat(peer, msg, now, now)
+        elif isinstance(msg, messages.Release):
+            # The sender is the peer agent (unique per process), not what the
+            # message claims: a restarted D or a replayed request is another peer.
+            self._record(ReleaseNotified, msg.request_id, now, from_engine=peer,
+                         consumer_rank=msg.rank, token=msg.token)
+        else:
+            self._count("notifications_ignored")
 
     def _p_heartbeat(self, peer: str, msg: messages.Heartbeat, now: float, since: float) -> None:
         # D may heartbeat a request before this rank has folded its export

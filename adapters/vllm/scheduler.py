@@ -12,11 +12,17 @@ does); it answers vLLM's questions from the request's own state:
 * P, ``request_finished``: a completed prefill is exported (blocks held,
   ``delay_free``) and its ``kv_transfer_params`` returned for the router; a
   prefill that ended otherwise is reported as aborted.
+
+Every hook that takes a request is `contained`: whatever a request carries,
+an exception fails that request (the worker is told with a ``Failure``) and
+is logged once; nothing raises into vLLM's engine loop.
 """
 
 from __future__ import annotations
 
+import functools
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +30,7 @@ import structlog
 
 from kvhandoff.adapters.vllm import timing
 from kvhandoff.adapters.vllm.config import HandoffConfig
-from kvhandoff.adapters.vllm.metadata import Admit, Export, Read, StepPlan
+from kvhandoff.adapters.vllm.metadata import Admit, Export, Failure, Read, StepPlan
 from kvhandoff.adapters.vllm.params import (
     PROTOCOL,
     MalformedTransferParams,
@@ -49,6 +55,44 @@ def _is_remote_decode(params: Any) -> bool:
     return isinstance(params, dict) and params.get("do_remote_decode") is True
 
 
+def contained(fallback: Callable[..., Any]) -> Callable:
+    """Run a per-request hook; an exception is logged once and answered by ``fallback``."""
+    def wrap(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def hook(self: HandoffScheduler, request: Any, *args: Any) -> Any:
+            try:
+                return method(self, request, *args)
+            except Exception as exc:
+                reason = f"{method.__name__}: {type(exc).__name__}: {exc}"
+                log.error("vllm.scheduler.request_error",
+                          request_id=getattr(request, "request_id", None), error=reason)
+                return fallback(self, request, reason, *args)
+        return hook
+    return wrap
+
+
+def _fail_at_admission(self: HandoffScheduler, request: Any, reason: str) -> None:
+    if not self.producer:  # load "asynchronously" so the worker can fail it through vLLM
+        self._d[request.request_id] = _Track()
+        self._plan.failures.append(Failure(request.request_id, reason, awaiting=False))
+
+
+def _fail_after_alloc(self: HandoffScheduler, request: Any, reason: str, blocks: Any,
+                      num_external_tokens: int) -> None:
+    track = self._d.get(request.request_id)
+    if track is not None and not track.read_sent:
+        track.read_sent, track.awaiting = True, num_external_tokens > 0
+        self._plan.failures.append(Failure(request.request_id, reason, track.awaiting))
+
+
+def _no_match(self: HandoffScheduler, request: Any, reason: str, *_: Any) -> tuple[int, bool]:
+    return 0, False
+
+
+def _free_now(self: HandoffScheduler, request: Any, reason: str, *_: Any) -> tuple[bool, None]:
+    return False, None
+
+
 class HandoffScheduler:
     def __init__(self, cfg: HandoffConfig, engine_id: str, producer: bool, block_size: int,
                  tp_size: int) -> None:
@@ -60,6 +104,7 @@ class HandoffScheduler:
 
     # ---- common -----------------------------------------------------------
 
+    @contained(_fail_at_admission)
     def on_new_request(self, request: Any) -> None:
         params = request.kv_transfer_params
         rid = request.request_id
@@ -82,9 +127,12 @@ class HandoffScheduler:
                 f"kv_transfer_params: expected an object, found {type(params).__name__}")
             log.error("vllm.scheduler.malformed_transfer_params", request_id=rid, error=error)
         self._d[rid] = _Track()
-        ident = parse_identity(params) if error and isinstance(params, dict) else None
-        self._plan.admits.append(Admit(rid, wire, error, len(request.prompt_token_ids or ()), ident))
+        cleanup = bool(getattr(request, "abort_immediately", False))
+        ident = parse_identity(params) if (error or cleanup) and isinstance(params, dict) else None
+        self._plan.admits.append(Admit(rid, wire, error, len(request.prompt_token_ids or ()), ident,
+                                       cleanup))
 
+    @contained(_no_match)
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         track = self._d.get(request.request_id)
         if track is None or track.read_sent:
@@ -92,6 +140,7 @@ class HandoffScheduler:
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
+    @contained(_fail_after_alloc)
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
         if self.producer:
@@ -126,6 +175,7 @@ class HandoffScheduler:
             if track is not None:
                 track.awaiting = False
 
+    @contained(_free_now)
     def request_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 

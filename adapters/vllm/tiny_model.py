@@ -4,8 +4,10 @@ vLLM's ``load_format="dummy"`` draws weights whose logits are nearly uniform:
 every prompt then yields the same tokens, so "D's tokens equal the reference"
 would prove nothing (FIELD_NOTES.md).  These weights (std ≈ 0.15) make the
 greedy output depend on the prompt, which is what lets the end-to-end checks
-tell P's KV from D's own.  No tokenizer: prompts are token ids and engines
-run with ``skip_tokenizer_init=True``.
+tell P's KV from D's own.  A small byte-level BPE tokenizer (built here with
+the ``tokenizers`` library, no download) sits next to the weights so that
+``vllm serve`` takes text prompts; the engines of the demo and the tests that
+pass token ids run with ``skip_tokenizer_init=True`` and ignore it.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ def write_tiny_llama(directory: str | Path, spec: TinyLlamaSpec | None = None) -
     config_path = out / "config.json"
     weights_path = out / "model.safetensors"
     config = spec.hf_config()
+    write_tokenizer(out, spec.vocab_size)
     if config_path.exists() and weights_path.exists():
         try:
             if json.loads(config_path.read_text()) == config:
@@ -109,3 +112,39 @@ def write_tiny_llama(directory: str | Path, spec: TinyLlamaSpec | None = None) -
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
     log.info("vllm.tiny_model.written", path=str(out), seed=spec.seed)
     return out
+
+
+_SPECIALS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2: the config's bos/eos ids
+_MERGE_LEFT, _MERGE_RIGHT = "Ġetaoinshrdlcu", "etaoinshrdlcumwfgypb"  # Ġ: byte-level space
+
+
+def write_tokenizer(directory: str | Path, vocab_size: int = 512) -> Path:
+    """A deterministic byte-level BPE with exactly ``vocab_size`` tokens (HF fast-tokenizer files).
+
+    Every byte is a token, so any text encodes; two-character merges fill the
+    rest of the vocabulary, so every id the model can emit decodes.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    out = Path(directory)
+    path = out / "tokenizer.json"
+    vocab = {tok: i for i, tok in enumerate(_SPECIALS)}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    merges = [(a, b) for a in _MERGE_LEFT for b in _MERGE_RIGHT][:vocab_size - len(vocab)]
+    base = len(vocab)
+    vocab.update((a + b, base + i) for i, (a, b) in enumerate(merges))
+    if len(vocab) != vocab_size:
+        raise ValueError(f"tokenizer vocabulary: expected {vocab_size} tokens, built {len(vocab)}")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = tok.to_str()
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 2048,
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": False, "clean_up_tokenization_spaces": False,
+    }, indent=2, sort_keys=True))
+    return path

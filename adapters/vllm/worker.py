@@ -27,6 +27,12 @@ that fold:
 All ledger and transport calls go through one lock: the notification thread
 and the engine thread share both.  Time is ``time.monotonic()`` here, passed
 into the core.
+
+The event log is written to the OS (``write``, not ``fsync``) at the end of
+every ``start_step`` / ``finish_step`` and every pass of P's notification
+thread (at most ``idle_poll_s`` apart): a live engine's log is current to its
+last step, and a ``kill -9`` loses at most the step in progress (and may tear
+the last line).  SIGTERM / SIGINT flush too (`durable`).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from kvhandoff.adapters.vllm.metadata import StepPlan
 from kvhandoff.adapters.vllm.producer import ProducerHalf
 from kvhandoff.adapters.vllm.side_channel import SideChannelServer
 from kvhandoff.adapters.vllm.transport import make_transport
+from kvhandoff.adapters.vllm.trust import TrustedProducers
 from kvhandoff.core import messages
 from kvhandoff.core.errors import LifecycleError, MalformedMessage
 from kvhandoff.core.events import (
@@ -94,6 +101,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self.ledger = Ledger(self.stream, self.state, sink=self.writer)
         self.lock = threading.RLock()
         self.compat = dict(compat)
+        self.trusted = TrustedProducers(cfg.trusted_producers)
         self.transport: Any = None
         self.num_blocks = 0
         self.block_bytes_total = 0
@@ -132,7 +140,8 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         except LifecycleError as exc:
             # An event the graph refuses is a bug in this adapter or a hostile
             # peer; the request's lifecycle is left unchanged and it is logged.
-            log.error("vllm.worker.refused_event", request_id=rid, event=event_type.kind,
+            # (Never ``event=``: it is structlog's first positional parameter.)
+            log.error("vllm.worker.refused_event", request_id=rid, event_kind=event_type.kind,
                       error=str(exc))
             return False
 
@@ -225,28 +234,41 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
             return
         with self.lock:
             now = time.monotonic()
-            if self.side is Side.P:
-                self._p_plan(plan, now)
-            else:
-                self._drop_lost_producers()
-                self._finish_handshakes(now)
-                self._d_plan(plan, now)
-                self._d_heartbeats(now)
+            try:
+                if self.side is Side.P:
+                    self._p_plan(plan, now)
+                else:
+                    self._drop_lost_producers()
+                    self._finish_handshakes(now)
+                    self._d_plan(plan, now)
+                    self._d_heartbeats(now)
+            except Exception as exc:  # per-request errors are contained below this
+                log.error("vllm.worker.step_error", stage="start", error=str(exc),
+                          error_type=type(exc).__name__)
+            finally:
+                self.writer.flush()
 
     def finish_step(self) -> tuple[set[str], set[str], set[str]]:
         """``get_transfer_results``: (finished_sending, finished_recving, failed_recving)."""
         with self.lock:
             now = time.monotonic()
-            self._prune(now)
-            if self.side is Side.P:
-                return self._p_step(now), set(), set()
-            self._drop_lost_producers()
-            self._finish_handshakes(now)
-            self._d_poll(now)
-            self._d_notifs(now)
-            self._d_heartbeats(now)
-            recving, failed = self._d_report(now)
-            return set(), recving, failed
+            try:
+                self._prune(now)
+                if self.side is Side.P:
+                    return self._p_step(now), set(), set()
+                self._drop_lost_producers()
+                self._finish_handshakes(now)
+                self._d_poll(now)
+                self._d_notifs(now)
+                self._d_heartbeats(now)
+                recving, failed = self._d_report(now)
+                return set(), recving, failed
+            except Exception as exc:  # per-request errors are contained below this
+                log.error("vllm.worker.step_error", stage="finish", error=str(exc),
+                          error_type=type(exc).__name__)
+                return set(), set(), set()
+            finally:
+                self.writer.flush()
 
     def close(self) -> None:
         self._stop.set()
