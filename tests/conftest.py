@@ -12,3 +12,23 @@ settings.register_profile("ci", derandomize=True, database=None, max_examples=60
                           deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("dev", max_examples=200, deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+def wait_for(predicate, timeout, what, interval=0.02):
+    """Poll ``predicate`` until it returns something truthy (returned); fail naming ``what``.
+
+    The one way tests wait for something to happen (an event in a log, a
+    counter, a state of the fold): never a bare sleep standing in for it.
+    """
+    import threading
+    import time
+
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what}")
+        pause.wait(interval)

@@ -6,6 +6,7 @@ import socket
 from types import SimpleNamespace
 
 import pytest
+from structlog.testing import capture_logs
 
 from kvhandoff.adapters.vllm.config import ConnectorConfigError, HandoffConfig
 from kvhandoff.adapters.vllm.params import (
@@ -220,3 +221,62 @@ def test_connector_stats_aggregate_and_export_to_prometheus():
     prom.observe(merged.data, 0)
     assert registry.get_sample_value("vllm:kvhandoff_reads_completed_total", {"engine": "0"}) == 3
     assert registry.get_sample_value("vllm:kvhandoff_read_seconds_count", {"engine": "0"}) == 3
+
+
+class _Exploding(dict):
+    """kv_transfer_params whose reading raises: a stand-in for any bug a request can trigger."""
+
+    def get(self, *a, **k):
+        raise RuntimeError("boom")
+
+
+def test_a_scheduler_hook_that_raises_fails_only_its_request():
+    s = _sched(producer=False)
+    bad, good = _request("bad", params=_Exploding(GOOD.to_wire())), _request("ok", params=GOOD.to_wire())
+    with capture_logs() as logs:
+        s.on_new_request(bad)  # must not raise into vLLM
+        s.on_new_request(good)
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["vllm.scheduler.request_error"]
+    assert s.get_num_new_matched_tokens(bad, 0) == (300, True)  # loads, so the worker fails it
+    plan = s.build_plan()
+    assert [f.local_id for f in plan.failures] == ["bad"] and "boom" in plan.failures[0].reason
+    assert [a.local_id for a in plan.admits] == ["ok"]
+    s.update_state_after_alloc(bad, None, 300)  # blocks=None: the hook raises, contained
+    (f,) = s.build_plan().failures
+    assert f.local_id == "bad" and f.awaiting
+    assert s.request_finished(bad, ([1],)) == (True, None)  # vLLM waits for the failure report
+
+
+def test_the_clean_up_request_is_marked_and_keeps_its_identity():
+    s = _sched(producer=False)
+    r = _request("cmpl-1", params=GOOD.to_wire(), prompt_len=1)
+    r.abort_immediately = True  # vLLM's notify_kv_transfer_request_rejected
+    s.on_new_request(r)
+    (admit,) = s.build_plan().admits
+    assert admit.cleanup and admit.identity[:2] == (GOOD.engine_id, GOOD.request_id)
+    assert s.request_finished(r, ([],)) == (False, None)
+    assert s.build_plan().cancels == ["cmpl-1"]
+
+
+@pytest.mark.parametrize(("entries", "host", "port", "allowed"), [
+    (None, "127.0.0.1", 5600, True), (None, "localhost", 1, True), (None, "::1", 9, True),
+    (None, "10.0.0.11", 5600, False), (None, "evil.example", 5600, False),
+    (["10.0.0.0/24:5600"], "10.0.0.11", 5600, True), (["10.0.0.0/24:5600"], "10.0.0.11", 5601, False),
+    (["p0.example"], "P0.example", 7, True), (["[::1]:7"], "::1", 7, True),
+    (["[::1]:7"], "127.0.0.1", 7, False),
+])
+def test_trusted_producers(entries, host, port, allowed):
+    from kvhandoff.adapters.vllm.trust import TrustedProducers, UntrustedProducer
+
+    extra = {} if entries is None else {"trusted_producers": entries}
+    t = TrustedProducers(HandoffConfig.from_extra(extra, env={}).trusted_producers)
+    assert t.allows(host, port) is allowed
+    if not allowed:
+        with pytest.raises(UntrustedProducer, match="trusted_producers"):
+            t.check(host, port)
+
+
+@pytest.mark.parametrize("bad", [[], "127.0.0.1", [3], ["x:99999"], ["a/b"], ["[::1]x"]])
+def test_bad_trusted_producers_refused_at_start(bad):
+    with pytest.raises(ConnectorConfigError, match="trusted_producers"):
+        HandoffConfig.from_extra({"trusted_producers": bad}, env={})

@@ -11,20 +11,24 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 import pytest
+from conftest import wait_for
+from structlog.testing import capture_logs
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
 
 from kvhandoff.adapters.vllm.config import HandoffConfig  # noqa: E402
 from kvhandoff.adapters.vllm.demo import analyse_logs  # noqa: E402
-from kvhandoff.adapters.vllm.metadata import Admit, Export, Read, StepPlan  # noqa: E402
+from kvhandoff.adapters.vllm.metadata import Admit, Export, Failure, Read, StepPlan  # noqa: E402
 from kvhandoff.adapters.vllm.params import RemotePrefill  # noqa: E402
 from kvhandoff.adapters.vllm.worker import HandoffWorker  # noqa: E402
 from kvhandoff.core import messages  # noqa: E402
-from kvhandoff.core.events import Side  # noqa: E402
+from kvhandoff.core.events import Admitted, Side  # noqa: E402
+from kvhandoff.core.lifecycle import DState  # noqa: E402
 from kvhandoff.core.log import read_log  # noqa: E402
 
 DEVICE = os.environ.get("KVH_WORKER_DEVICE", "cpu")
@@ -93,8 +97,16 @@ def _pump(p, d, until, timeout=10.0):
         sent |= s
         recved |= r
         failed |= f
-        time.sleep(0.002)
+        _PACE.wait(0.002)  # the workers poll; pace the loop (never a stand-in for an event)
     return sent, recved, failed
+
+
+_PACE = threading.Event()
+
+
+def _d_state(d: HandoffWorker, rid: str) -> DState | None:
+    rec = d.state.record(d.stream, rid)
+    return rec.state if rec is not None else None
 
 
 def _same(pc, dc, remote, local) -> bool:
@@ -121,8 +133,7 @@ def test_cancel_mid_read_keeps_heartbeating_until_the_read_drains(workers):
     _export(p, "r2", 2, "tok-2")
     params = _params("r2", port, (7, 8), "tok-2", debug_read_delay_s=LEASE * 1.5)
     d.start_step(StepPlan(admits=[Admit("L2", params, "", 2 * BLOCK)], reads=[Read("L2", [[20, 21]])]))
-    t_end = time.monotonic() + 0.3
-    _pump(p, d, lambda s, r, f: time.monotonic() > t_end)  # admitted, READ posted
+    _pump(p, d, lambda s, r, f: _d_state(d, "r2") is DState.READING)  # the READ is in flight
     d.start_step(StepPlan(cancels=["L2"]))  # the client went away while the READ is in flight
     sent, recved, _ = _pump(p, d, lambda s, r, f: "r2" in s and "L2" in r, timeout=LEASE * 3)
     p_events = [e for e in read_log(p.flush()) if e.request_id == "r2"]
@@ -141,7 +152,8 @@ def test_a_release_without_the_token_frees_nothing(workers):
     peer = next(iter(d._peers.values())).agent
     with d.lock:
         d.transport.send_notif(peer, messages.encode(messages.Release("r3", "intruder", 0, "guess")))
-    time.sleep(0.2)
+    p_stream = p.state.streams[p.stream]
+    wait_for(lambda: p_stream.ignored["bad_token"] >= 1, 5, "P to refuse the stray release")
     s, _, _ = p.finish_step()
     assert "r3" not in s
     rec = p.state.record(p.stream, "r3")
@@ -192,3 +204,145 @@ def test_parameters_read_again_after_the_release_are_refused_not_served(workers,
         assert failed == {"L5b"}
     finally:
         d2.close()
+
+
+def _done_handoff(p, d, port, rid, local, blocks, token, dest) -> dict:
+    _export(p, rid, len(blocks), token)
+    params = _params(rid, port, blocks, token)
+    d.start_step(StepPlan(admits=[Admit(local, params, "", len(blocks) * BLOCK)],
+                          reads=[Read(local, [dest])]))
+    _pump(p, d, lambda s, r, f: rid in s and local in r)
+    assert _d_state(d, rid) is DState.DONE
+    return params
+
+
+def _kinds(worker: HandoffWorker, rid: str) -> list[str]:
+    return [e.kind for e in read_log(worker.log_path) if e.request_id == rid]
+
+
+def test_re_admission_of_a_released_request_fails_it_and_never_reads_again(workers):
+    p, d, pc, dc, port = workers
+    params = _done_handoff(p, d, port, "r6", "L6", (4, 5), "tok-6", [1, 2])
+    with capture_logs() as logs:  # a client retry after D's release went out
+        d.start_step(StepPlan(admits=[Admit("L6b", params, "", 2 * BLOCK)],
+                              reads=[Read("L6b", [[3, 4]])]))
+        _, recved, failed = _pump(p, d, lambda s, r, f: "L6b" in r)
+    assert failed == {"L6b"}
+    assert _kinds(d, "r6").count("admitted") == 1 and _kinds(d, "r6").count("reads_posted") == 1
+    errors = [e for e in logs if e["log_level"] == "error"]
+    assert [e["event"] for e in errors] == ["vllm.worker.request_rejected"]
+    assert "single-use" in errors[0]["error"] and "DONE" in errors[0]["error"]
+    assert not any(dc[k][3:5].abs().sum().item() for k in dc)
+
+
+def test_an_event_the_fold_refuses_is_logged_once_not_raised(workers):
+    p, d, pc, dc, port = workers
+    _done_handoff(p, d, port, "r7", "L7", (6,), "tok-7", [5])
+    with capture_logs() as logs:
+        assert d._record(Admitted, "r7", time.monotonic(), remote_engine="P-w", remote_ranks=(0,),
+                         num_blocks=1, lease_s=LEASE, lease_margin_s=0.2,
+                         local_request_id="L7b") is False
+    (entry,) = logs
+    assert entry["event"] == "vllm.worker.refused_event" and entry["event_kind"] == "admitted"
+    assert "DONE" in entry["error"]
+
+
+@pytest.mark.parametrize("when", ["unknown", "done", "reading"])
+def test_the_clean_up_request_releases_only_what_d_never_took(workers, when):
+    """vLLM's API server re-sends a failed or disconnected request's params, pre-aborted."""
+    p, d, pc, dc, port = workers
+    if when == "done":
+        params = _done_handoff(p, d, port, "rc", "Lc", (6, 7), "tok-c", [1, 2])
+    else:
+        _export(p, "rc", 2, "tok-c")
+        params = _params("rc", port, (6, 7), "tok-c", debug_read_delay_s=0.3)
+    if when == "reading":
+        d.start_step(StepPlan(admits=[Admit("Lc", params, "", 2 * BLOCK)],
+                              reads=[Read("Lc", [[1, 2]])]))
+        _pump(p, d, lambda s, r, f: _d_state(d, "rc") is DState.READING)
+    identity = ("P-w", "rc", "127.0.0.1", port, "tok-c")
+    with capture_logs() as logs:
+        d.start_step(StepPlan(admits=[Admit("cmpl-c", params, "", 1, identity, cleanup=True)],
+                              cancels=["cmpl-c"]))
+        if when == "reading":  # the request D took goes on as if nothing happened
+            _, recved, failed = _pump(p, d, lambda s, r, f: "rc" in s and "Lc" in r)
+            assert failed == set() and _same(pc, dc, (6, 7), (1, 2))
+        elif when == "unknown":  # D never took it: P is told at once (notify-only)
+            _pump(p, d, lambda s, r, f: "rc" in s)
+        else:
+            _pump(p, d, lambda s, r, f: "cmpl-c" not in d._incoming)
+    assert not [e for e in logs if e["log_level"] == "error"], logs
+    d_kinds, p_kinds = _kinds(d, "rc"), _kinds(p, "rc")
+    assert "rejected" not in d_kinds and d_kinds.count("admitted") == 1
+    (release,) = [e for e in read_log(d.log_path) if e.request_id == "rc" and e.kind == "release_sent"]
+    assert release.notify_only is (when == "unknown")
+    assert p_kinds.count("freed") == 1 and "lease_expired" not in p_kinds
+
+
+@pytest.mark.parametrize("path", ["admission", "read", "completion", "report", "scheduler"])
+def test_an_exception_in_any_per_request_path_fails_only_that_request(workers, monkeypatch, path):
+    p, d, pc, dc, port = workers
+    _export(p, "good", 2, "tok-g")
+    _export(p, "bad", 2, "tok-b")
+    fired: list[str] = []
+
+    def explode_once(name, hits):
+        real = getattr(d, name)
+
+        def step(*args, **kwargs):
+            if not fired and hits(*args):
+                fired.append(name)
+                raise RuntimeError(f"injected into {name}")
+            return real(*args, **kwargs)
+        monkeypatch.setattr(d, name, step)
+
+    if path == "admission":
+        explode_once("_geometry_problem", lambda remote, *a: remote.request_id == "bad")
+    elif path == "read":
+        explode_once("_post_read", lambda local_id, *a: local_id == "Lbad")
+    elif path == "completion":
+        explode_once("_drain", lambda inc, *a: inc.local_id == "Lbad" and bool(inc.held))
+    elif path == "report":
+        explode_once("_report", lambda rid, *a: rid == "bad")
+    plan = StepPlan(admits=[Admit("Lgood", _params("good", port, (1, 2), "tok-g"), "", 2 * BLOCK),
+                            Admit("Lbad", _params("bad", port, (3, 4), "tok-b"), "", 2 * BLOCK)],
+                    reads=[Read("Lgood", [[10, 11]]), Read("Lbad", [[20, 21]])])
+    if path == "scheduler":  # the scheduler half failed it after allocating its blocks
+        plan.reads.pop()
+        plan.failures.append(Failure("Lbad", "injected", awaiting=True))
+        fired.append("scheduler")
+    d.start_step(plan)
+    sent, recved, failed = _pump(p, d, lambda s, r, f: {"good", "bad"} <= s
+                                 and {"Lgood", "Lbad"} <= r, timeout=LEASE * 3)
+    assert fired and failed == {"Lbad"}
+    assert _same(pc, dc, (1, 2), (10, 11))
+    assert all(_kinds(p, rid).count("freed") == 1 for rid in ("good", "bad"))
+    a = analyse_logs([p.flush(), d.flush()])
+    assert a["replay_violations"] == 0 and a["double_frees"] == 0, a["violations"]
+
+
+def test_an_untrusted_producer_gets_not_a_single_packet(tmp_path):
+    extra = {"lease_s": LEASE, "log_dir": str(tmp_path), "trusted_producers": ["10.1.2.3"]}
+    d = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "D-t", Side.D, 0, 1, COMPAT)
+    try:
+        d.register_kv_caches(_caches(False))
+        params = _params("r8", _port(), (1,), "tok-8")
+        with capture_logs() as logs:
+            d.start_step(StepPlan(admits=[Admit("L8", params, "", BLOCK)], reads=[Read("L8", [[1]])]))
+            _, recved, failed = d.finish_step()
+        assert recved == failed == {"L8"}
+        assert d._handshakes == {} and d._peers == {}  # no handshake was even started
+        (entry,) = [e for e in logs if e["log_level"] == "error"]
+        assert "UntrustedProducer" in entry["error"] and "trusted_producers" in entry["error"]
+    finally:
+        d.close()
+
+
+def test_events_reach_the_os_every_step_without_a_flush(workers):
+    p, d, pc, dc, port = workers
+    _export(p, "r9", 1, "tok-9")
+    assert "exported" in _kinds(p, "r9")  # on disk, nobody called flush()
+    d.start_step(StepPlan(admits=[Admit("L9", _params("r9", port, (9,), "tok-9"), "", BLOCK)],
+                          reads=[Read("L9", [[9]])]))
+    _pump(p, d, lambda s, r, f: "r9" in s)
+    assert _kinds(d, "r9")[-1] == "release_sent" and _kinds(p, "r9")[-1] == "freed"

@@ -35,8 +35,17 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-KVHandoffMetadata = metadata_class()
-KVHandoffStats = kstats.stats_class()
+
+
+# Module-level classes: under ``vllm serve`` the executor pickles the step's
+# metadata to worker processes and the workers' stats back, by class name.
+class KVHandoffMetadata(metadata_class()):
+    """The scheduler half's `StepPlan` for one engine step."""
+
+
+class KVHandoffStats(kstats.stats_class()):
+    """The connector counters of `kvhandoff.adapters.vllm.stats`."""
+
 
 _WORKERS: weakref.WeakSet[HandoffWorker] = weakref.WeakSet()
 

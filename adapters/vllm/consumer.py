@@ -53,6 +53,9 @@ from kvhandoff.transports.base import ReadRequest
 log = structlog.get_logger(__name__)
 
 
+GAVE_UP = "gave up: "  # IncomingHandoff.error prefix of a request failed by _give_up
+
+
 class TransferParamsReused(MalformedTransferParams):
     """The parameters name a P request this D already took: they are single-use."""
 
@@ -154,18 +157,21 @@ class ConsumerHalf:
                 log.error("vllm.worker.handshake_failed", address=f"{key[0]}:{key[1]}",
                           error=str(error), error_type=type(error).__name__)
             for a in self._parked.pop(key, []):
-                inc = self._incoming.get(a.local_id)
-                if inc is None:
-                    continue  # cancelled (and nothing to report) while parked
-                self._admit(a, now)
-                if inc.cancelled:
-                    self._cancel(a.local_id, now)
-                    if inc.read_entry:
-                        self._fail_now.append(a.local_id)  # vLLM kept its pages: report once
-                elif inc.pending_read is not None:
-                    ids, awaiting, skip = inc.pending_read
-                    inc.pending_read = None
-                    self._post_read(a.local_id, ids, awaiting, now, skip)
+                self._contained("admission", a.local_id, now, self._unpark, a, now)
+
+    def _unpark(self, a: Admit, now: float) -> None:
+        inc = self._incoming.get(a.local_id)
+        if inc is None:
+            return  # cancelled (and nothing to report) while parked
+        self._admit(a, now)
+        if inc.cancelled:
+            self._cancel(a.local_id, now)
+            if inc.read_entry:
+                self._fail_now.append(a.local_id)  # vLLM kept its pages: report once
+        elif inc.pending_read is not None:
+            ids, awaiting, skip = inc.pending_read
+            inc.pending_read = None
+            self._post_read(a.local_id, ids, awaiting, now, skip)
 
     def _admit(self, a: Admit, now: float) -> None:
         from kvhandoff.adapters.vllm.params import parse_remote_prefill
@@ -290,9 +296,10 @@ class ConsumerHalf:
             self._record(ClientCancelled, rid, now)
             if self._rec(rid).state is DState.CANCELLED:
                 self._release(rid, now, notify_only=True)
-        if not inc.read_entry:
+        if not inc.read_entry and not inc.parked:
             # vLLM is not waiting for a completion: nothing more to report.
-            # With reads in flight the request stays until they drain.
+            # With reads in flight the request stays until they drain; a
+            # parked one is admitted and released when its handshake ends.
             self._forget(local_id)
 
     def _forget(self, local_id: str) -> None:
@@ -356,16 +363,22 @@ class ConsumerHalf:
             self._scheduler_failed(f, now)
         for r in plan.reads:
             self._contained("read", r.local_id, now, self._post_read, r.local_id,
-                            r.local_block_ids, r.awaiting, now, r.skip)
+                            r.local_block_ids, r.awaiting, now, r.skip, awaiting=r.awaiting)
         for local_id in plan.cancels:
             self._contained("cancel", local_id, now, self._cancel, local_id, now)
 
     # ---- containment: one request's error fails that request only ---------
 
-    def _contained(self, what: str, local_id: str, now: float, step: Any, *args: Any) -> None:
+    def _contained(self, what: str, local_id: str, now: float, step: Any, *args: Any,
+                   awaiting: bool = False) -> None:
+        """Run one request's ``step``; an exception gives that request up (``awaiting``: vLLM
+        waits for a completion of it)."""
         try:
             step(*args)
         except Exception as exc:
+            inc = self._incoming.get(local_id)
+            if inc is not None and awaiting:
+                inc.read_entry = True
             self._give_up(local_id, f"{what}: {type(exc).__name__}: {exc}", now)
 
     def _scheduler_failed(self, f: Failure, now: float) -> None:
@@ -382,10 +395,14 @@ class ConsumerHalf:
         drain (its pages stay held until then); vLLM hears of it once.
         """
         inc = self._incoming.get(local_id)
-        if inc is None or inc.error.startswith("gave up"):
+        if inc is None or inc.error.startswith(GAVE_UP):
             return
         log.error("vllm.worker.request_failed", local_request_id=local_id, error=reason)
-        inc.error = f"gave up: {reason}"
+        inc.error = f"{GAVE_UP}{reason}"
+        if inc.parked:  # never admit it when its handshake finishes
+            for waiting in self._parked.values():
+                waiting[:] = [a for a in waiting if a.local_id != local_id]
+            inc.parked = False
         self._count("rejected")
         rid = inc.remote.request_id if inc.admitted and inc.remote else None
         rec = self._rec(rid) if rid else None
@@ -580,7 +597,7 @@ class ConsumerHalf:
         self._release(rid, now, notify_only=not ok)
         if inc.read_entry:
             finished.add(inc.local_id)
-            if not ok:
+            if not ok or inc.error.startswith(GAVE_UP):
                 failed.add(inc.local_id)
         self._forget(inc.local_id)
 

@@ -80,7 +80,7 @@ def _fail_at_admission(self: HandoffScheduler, request: Any, reason: str) -> Non
 def _fail_after_alloc(self: HandoffScheduler, request: Any, reason: str, blocks: Any,
                       num_external_tokens: int) -> None:
     track = self._d.get(request.request_id)
-    if track is not None and not track.read_sent:
+    if track is not None and not any(r.local_id == request.request_id for r in self._plan.reads):
         track.read_sent, track.awaiting = True, num_external_tokens > 0
         self._plan.failures.append(Failure(request.request_id, reason, track.awaiting))
 

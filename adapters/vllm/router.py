@@ -1,0 +1,117 @@
+"""An example disaggregating router: exactly what docs/operator-guide.md describes.
+
+``POST /v1/completions`` (and ``/v1/chat/completions``): send the request to
+P with ``max_tokens: 1`` and ``"kv_transfer_params": {"do_remote_decode":
+true}``, take the ``kv_transfer_params`` from P's answer and send the
+original request to D with those parameters, unchanged.  D's answer goes
+back to the client as it is (status, body, or the event stream).  A client
+that goes away is passed on: the connection to P or D is closed, which is
+how vLLM's API server learns of the disconnect and aborts the request.
+
+Run it with::
+
+    python -m kvhandoff.adapters.vllm.router --prefill http://127.0.0.1:8100 \\
+        --decode http://127.0.0.1:8200 --port 8000
+
+It keeps no state and does no load balancing: one P, one D.  The end-to-end
+tests run it in-process (`build_app`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+PREFILL_ONLY = {"max_tokens": 1, "max_completion_tokens": 1, "stream": False,
+                "kv_transfer_params": {"do_remote_decode": True}}
+
+
+async def _until_disconnected(request: Request, work: asyncio.Task) -> Any:
+    """Await ``work``; cancel it (closing its upstream connection) if the client leaves."""
+    while not work.done():
+        if await request.is_disconnected():
+            work.cancel()
+            break
+        await asyncio.wait({work}, timeout=0.05)
+    return await work
+
+
+def build_app(prefill_url: str, decode_url: str, timeout_s: float = 300.0) -> FastAPI:
+    app = FastAPI(title="kvhandoff example router")
+    client = httpx.AsyncClient(timeout=timeout_s)
+
+    async def handle(path: str, request: Request) -> Response:
+        body = await request.json()
+        p_body = {k: v for k, v in body.items() if k != "stream_options"} | PREFILL_ONLY
+        prefill = asyncio.ensure_future(client.post(f"{prefill_url}{path}", json=p_body))
+        try:
+            p = await _until_disconnected(request, prefill)
+        except asyncio.CancelledError:
+            return Response(status_code=499)
+        if p.status_code != 200:
+            return Response(p.content, status_code=p.status_code,
+                            media_type=p.headers.get("content-type"))
+        d_body = body | {"kv_transfer_params": p.json().get("kv_transfer_params")}
+        if body.get("stream"):
+            upstream = await client.send(
+                client.build_request("POST", f"{decode_url}{path}", json=d_body), stream=True)
+            return StreamingResponse(_relay(upstream), status_code=upstream.status_code,
+                                     media_type=upstream.headers.get("content-type"))
+        decode = asyncio.ensure_future(client.post(f"{decode_url}{path}", json=d_body))
+        try:
+            d = await _until_disconnected(request, decode)
+        except asyncio.CancelledError:
+            return Response(status_code=499)
+        return Response(d.content, status_code=d.status_code,
+                        media_type=d.headers.get("content-type"))
+
+    async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
+        # Starlette stops iterating when the client disconnects; ``finally``
+        # then closes D's connection, and D aborts the request.
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        finally:
+            await upstream.aclose()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle("/v1/completions", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await handle("/v1/chat/completions", request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"prefill": prefill_url, "decode": decode_url})
+
+    @app.on_event("shutdown")
+    async def close() -> None:
+        await client.aclose()
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prefill", required=True, help="P's base URL, e.g. http://127.0.0.1:8100")
+    parser.add_argument("--decode", required=True, help="D's base URL, e.g. http://127.0.0.1:8200")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args(argv)
+    uvicorn.run(build_app(args.prefill.rstrip("/"), args.decode.rstrip("/")), host=args.host,
+                port=args.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,468 @@
+"""End-to-end on the serve route: ``vllm serve`` P and D behind the example router.
+
+What users run (docs/operator-guide.md): two OpenAI servers with
+``--kv-transfer-config`` and a router that hands P's ``kv_transfer_params`` to
+D unchanged, plus a plain ``vllm serve`` of the same model as the reference.
+One P, one D and one reference serve the whole module (engine start
+dominates the cost); the tests that stop engines run last.
+
+The evidence is what users would look at: HTTP status codes, D's text and
+token ids against the reference engine, and the event logs on disk while
+the engines run (they are written every engine step; nothing here asks an
+engine to flush).  The last tests check that P freed every exported request
+exactly once and that ``kvhandoff replay --check`` over both logs is clean,
+then kill D with ``kill -9`` and stop P with Ctrl-C and replay what is left.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from conftest import wait_for
+
+pytest.importorskip("vllm")
+pytest.importorskip("nixl")
+httpx = pytest.importorskip("httpx")
+
+from kvhandoff.adapters.vllm.cluster import free_port  # noqa: E402
+from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY  # noqa: E402
+from kvhandoff.adapters.vllm.serve import ServeProcess, ServeSpec  # noqa: E402
+from kvhandoff.adapters.vllm.tiny_model import write_tiny_llama  # noqa: E402
+from kvhandoff.core.log import read_log  # noqa: E402
+
+LEASE_S = 5.0
+SLOW_READ_S = 2.5
+OUT = 8
+pytestmark = pytest.mark.timeout(900)
+
+WORDS = ("the rain in spain falls mainly on a plain while old ships sail north past quiet "
+         "harbours and bright towers of glass hum with the songs of distant engines").split()
+
+
+def text_prompt(seed: int, words: int = 60) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+class Route:
+    """The engines, the router and the log files of the module."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.model = str(write_tiny_llama(workdir / "model"))
+        self.log_dir = workdir / "events"
+        self.side_port = free_port()
+        common = {"lease_s": LEASE_S, "heartbeat_interval_s": 0.5, "lease_margin_s": 0.3,
+                  "read_timeout_s": 20.0, "handshake_timeout_s": 10.0,
+                  "log_dir": str(self.log_dir)}
+        self.p = ServeProcess(ServeSpec("P", "prefill", self.model, "serve-P",
+                                        dict(common), side_channel_port=self.side_port), workdir)
+        self.d = ServeProcess(ServeSpec("D", "decode", self.model, "serve-D", {
+            **common, "debug_read_delay_param": True,
+            "trusted_producers": [f"127.0.0.1:{self.side_port}", "127.0.0.1:1"]}), workdir)
+        self.ref = ServeProcess(ServeSpec("REF", "plain", self.model), workdir)
+        self.p_log = self.log_dir / "serve-P.P0.jsonl"
+        self.d_log = self.log_dir / "serve-D.D0.jsonl"
+        self.router_url = ""
+        self._router = None
+
+    def start(self) -> None:
+        for e in (self.p, self.d, self.ref):
+            e.wait_ready()
+        self._start_router()
+
+    def _start_router(self) -> None:
+        import uvicorn
+
+        from kvhandoff.adapters.vllm.router import build_app
+
+        port = free_port()
+        self._router = uvicorn.Server(uvicorn.Config(build_app(self.p.url, self.d.url),
+                                                     host="127.0.0.1", port=port,
+                                                     log_level="warning"))
+        threading.Thread(target=self._router.run, daemon=True, name="router").start()
+        wait_for(lambda: self._router.started, 30, "the router to start")
+        self.router_url = f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        if self._router is not None:
+            self._router.should_exit = True
+        for e in (self.d, self.p, self.ref):
+            if e.alive():
+                e.stop(signal.SIGINT, timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def route(tmp_path_factory):
+    r = Route(tmp_path_factory.mktemp("serve"))
+    try:
+        r.start()
+        yield r
+    finally:
+        r.stop()
+
+
+# ---- helpers ---------------------------------------------------------------
+
+def body(route: Route, prompt: str, max_tokens: int = OUT, **extra) -> dict:
+    return {"model": route.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, **extra}
+
+
+def reference(route: Route, prompt: str, max_tokens: int = OUT) -> dict:
+    r = httpx.post(f"{route.ref.url}/v1/completions", json=body(route, prompt, max_tokens),
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def prefill(route: Route, prompt: str) -> dict:
+    """The router's first half: P prefills, its answer carries D's parameters."""
+    r = httpx.post(f"{route.p.url}/v1/completions", timeout=120, json=body(
+        route, prompt, 1, kv_transfer_params={"do_remote_decode": True}))
+    assert r.status_code == 200, r.text
+    params = r.json()["kv_transfer_params"]
+    assert params and params["do_remote_prefill"] is True
+    return params
+
+
+def decode(route: Route, prompt: str, params, max_tokens: int = OUT) -> httpx.Response:
+    return httpx.post(f"{route.d.url}/v1/completions", timeout=120,
+                      json=body(route, prompt, max_tokens, kv_transfer_params=params))
+
+
+def events(path: Path, rid: str | None = None) -> list:
+    if not path.exists():
+        return []
+    evs = read_log(path)  # a live log: a torn last line is dropped with a warning
+    return evs if rid is None else [e for e in evs if e.request_id == rid]
+
+
+def kinds(evs: list) -> list[str]:
+    return [e.kind for e in evs]
+
+
+def wait_event(path: Path, rid: str, kind: str, timeout: float = 30.0) -> list:
+    return wait_for(lambda: (evs := events(path, rid)) and kind in kinds(evs) and evs,
+                    timeout, f"{kind!r} for {rid} in {path.name}")
+
+
+def assert_freed_once(route: Route, rid: str, released: bool | None = None) -> list:
+    """P frees ``rid`` (within a lease when nobody releases it), once."""
+    evs = wait_event(route.p_log, rid, "freed", LEASE_S + 10)
+    assert kinds(evs).count("freed") == 1, kinds(evs)
+    if released is not None:
+        assert ("release_notified" in kinds(evs)) is released, kinds(evs)
+        assert ("lease_expired" in kinds(evs)) is not released, kinds(evs)
+    return evs
+
+
+def assert_serves(route: Route, seed: int) -> None:
+    """Both engines still serve: a clean hand-off through the router matches the reference."""
+    prompt = text_prompt(seed, 40)
+    ref = reference(route, prompt, 4)
+    r = httpx.post(f"{route.router_url}/v1/completions", json=body(route, prompt, 4), timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == ref["token_ids"]
+
+
+def serve_log(e: ServeProcess) -> str:
+    return e.log_path.read_text(errors="replace")
+
+
+# ---- clean hand-offs ---------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_clean_handoffs_through_the_router_match_the_reference(route, stream):
+    prompts = [text_prompt(100 + i + 10 * stream, 30 + 70 * i) for i in range(3)]
+    refs = [reference(route, p) for p in prompts]
+    assert len({tuple(r["token_ids"]) for r in refs}) == len(refs), "the model ignores its prompt"
+    for prompt, ref in zip(prompts, refs, strict=True):
+        if stream:
+            text, token_ids = "", []
+            with httpx.stream("POST", f"{route.router_url}/v1/completions", timeout=120,
+                              json=body(route, prompt, stream=True)) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunk = httpx.Response(200, content=line[6:]).json()["choices"][0]
+                        text += chunk["text"]
+                        token_ids += chunk.get("token_ids") or []
+            assert text == ref["text"] and token_ids == ref["token_ids"]
+        else:
+            r = httpx.post(f"{route.router_url}/v1/completions", json=body(route, prompt),
+                           timeout=120)
+            assert r.status_code == 200, r.text
+            got = r.json()["choices"][0]
+            assert got["text"] == ref["text"] and got["token_ids"] == ref["token_ids"]
+    # The logs on disk (written while serving) show each hand-off: read, released, freed once.
+    exported = [e.request_id for e in events(route.p_log) if e.kind == "exported"]
+    for rid in exported[-3:]:
+        assert "split_completed" in kinds(events(route.d_log, rid))
+        assert_freed_once(route, rid, released=True)
+
+
+# ---- clients that go away ----------------------------------------------------
+
+def _request_then_disconnect(route: Route, prompt: str, params: dict, stream: bool,
+                             when) -> None:
+    """Send D the request and drop the connection once ``when()`` holds."""
+    payload = body(route, prompt, 200, kv_transfer_params=params, stream=stream)
+    with httpx.Client(timeout=120) as client:
+        with client.stream("POST", f"{route.d.url}/v1/completions", json=payload) as r:
+            if stream:
+                assert r.status_code == 200
+            when()
+    # leaving the blocks closes the connection: vLLM's API server aborts the request
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-streaming", "streaming"])
+@pytest.mark.parametrize("stage", ["before_read", "during_read", "after_read"])
+def test_client_disconnects_never_free_blocks_under_a_read(route, stage, stream):
+    prompt = text_prompt(200 + 2 * ["before_read", "during_read", "after_read"].index(stage)
+                         + stream, 120)
+    params = prefill(route, prompt)
+    rid = params["remote_request_id"]
+    if stage == "before_read":
+        # Gone before D took the request: nothing reaches D's engine but vLLM's
+        # clean-up request (notify_kv_transfer_request_rejected), or the
+        # request is aborted before its read is posted.
+        with httpx.Client(timeout=0.001) as client, pytest.raises(httpx.TimeoutException):
+            client.post(f"{route.d.url}/v1/completions",
+                        json=body(route, prompt, 200, kv_transfer_params=params, stream=stream))
+        p_evs = assert_freed_once(route, rid)
+        d_evs = wait_event(route.d_log, rid, "release_sent")
+        assert "finished_recving" not in kinds(d_evs) or "reads_posted" in kinds(d_evs)
+    elif stage == "during_read":
+        slow = {**params, DEBUG_DELAY_KEY: SLOW_READ_S}
+        _request_then_disconnect(route, prompt, slow, stream,
+                                 lambda: wait_event(route.d_log, rid, "reads_posted"))
+        d_evs = wait_event(route.d_log, rid, "release_sent", SLOW_READ_S + 20)
+        k = kinds(d_evs)
+        assert k.index("reads_posted") < k.index("client_cancelled") < k.index("split_completed")
+        p_evs = assert_freed_once(route, rid, released=True)
+        t_freed = next(e.t for e in p_evs if e.kind == "freed")
+        assert t_freed >= next(e.t for e in d_evs if e.kind == "split_completed")
+    else:
+        def after_read():
+            wait_event(route.d_log, rid, "release_sent")
+        _request_then_disconnect(route, prompt, params, stream, after_read)
+        d_evs = events(route.d_log, rid)
+        assert "client_cancelled" not in kinds(d_evs)
+        p_evs = assert_freed_once(route, rid, released=True)
+    assert "lease_expired" not in kinds(p_evs) or stage == "before_read"
+    assert_serves(route, 300 + len(stage) + stream)
+
+
+def test_the_same_params_twice_are_read_once(route):
+    prompt = text_prompt(400, 80)
+    ref = reference(route, prompt)
+    params = prefill(route, prompt)
+    first = decode(route, prompt, params)
+    assert first.status_code == 200 and first.json()["choices"][0]["token_ids"] == ref["token_ids"]
+    again = decode(route, prompt, params)  # a client retry after the release went out
+    assert again.status_code >= 400, again.text
+    # Both at once: exactly one is served, the other fails.
+    params2 = prefill(route, prompt)
+    with httpx.Client(timeout=120) as client:
+        out: list = [None, None]
+
+        def send(i: int) -> None:
+            out[i] = client.post(f"{route.d.url}/v1/completions",
+                                 json=body(route, prompt, kv_transfer_params=params2))
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert sorted(r.status_code >= 400 for r in out) == [False, True], [r.text for r in out]
+    for p in (params, params2):
+        d_evs = events(route.d_log, p["remote_request_id"])
+        assert kinds(d_evs).count("admitted") == 1 and kinds(d_evs).count("reads_posted") == 1
+        assert_freed_once(route, p["remote_request_id"], released=True)
+    assert "single-use" in serve_log(route.d)
+    assert_serves(route, 401)
+
+
+def test_a_batch_with_random_disconnects(route):
+    rng = random.Random(7)
+    prompts = [text_prompt(500 + i, rng.randint(20, 150)) for i in range(8)]
+    refs = [reference(route, p) for p in prompts]
+    leave = {i: rng.uniform(0.05, 1.5) for i in rng.sample(range(8), 3)}
+    results: dict[int, object] = {}
+
+    def client(i: int) -> None:
+        timeout = leave.get(i, 120.0)
+        try:
+            with httpx.Client(timeout=timeout) as c:
+                results[i] = c.post(f"{route.router_url}/v1/completions",
+                                    json=body(route, prompts[i], 32))
+        except httpx.TimeoutException:
+            results[i] = "left"
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    for i, ref in enumerate(refs):
+        r = results[i]
+        if r == "left":
+            continue
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == reference(route, prompts[i], 32)["token_ids"]
+        assert ref["token_ids"] == r.json()["choices"][0]["token_ids"][:OUT]
+    assert_serves(route, 501)
+
+
+# ---- malformed and hostile parameters ----------------------------------------
+
+def _listener() -> tuple[socket.socket, list]:
+    """A loopback port that counts connection attempts (an address of no P)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    sock.settimeout(0.05)
+    attempts: list = []
+
+    def accept() -> None:
+        while sock.fileno() != -1:
+            try:
+                conn, _ = sock.accept()
+                attempts.append(1)
+                conn.close()
+            except (TimeoutError, OSError):
+                continue
+    threading.Thread(target=accept, daemon=True).start()
+    return sock, attempts
+
+
+HOSTILE = {
+    "missing_block_ids": lambda p, o: {k: v for k, v in p.items() if k != "remote_block_ids"},
+    "missing_engine": lambda p, o: {k: v for k, v in p.items() if k != "remote_engine_id"},
+    "port_is_text": lambda p, o: {**p, "remote_port": "5600"},
+    "port_out_of_range": lambda p, o: {**p, "remote_port": 70000},
+    "tp_size_zero": lambda p, o: {**p, "tp_size": 0},
+    "tp_size_two": lambda p, o: {**p, "tp_size": 2},
+    "num_tokens_wrong": lambda p, o: {**p, "remote_num_tokens": p["remote_num_tokens"] + 1},
+    "num_tokens_text": lambda p, o: {**p, "remote_num_tokens": "many"},
+    "lease_negative": lambda p, o: {**p, "lease_s": -1},
+    "negative_block": lambda p, o: {**p, "remote_block_ids": [[-5, *p["remote_block_ids"][0][1:]]]},
+    "block_beyond_pool": lambda p, o: {**p, "remote_block_ids": [[10**9, *p["remote_block_ids"][0][1:]]]},
+    "block_is_float": lambda p, o: {**p, "remote_block_ids": [[1.5, *p["remote_block_ids"][0][1:]]]},
+    "blocks_flat": lambda p, o: {**p, "remote_block_ids": p["remote_block_ids"][0]},
+    "blocks_two_groups": lambda p, o: {**p, "remote_block_ids": p["remote_block_ids"] * 2},
+    "blocks_nested": lambda p, o: {**p, "remote_block_ids": [[p["remote_block_ids"][0]]]},
+    "blocks_duplicate": lambda p, o: {**p, "remote_block_ids": [[p["remote_block_ids"][0][0]] * len(p["remote_block_ids"][0])]},
+    "blocks_too_few": lambda p, o: {**p, "remote_block_ids": [p["remote_block_ids"][0][:-1]]},
+    "a_million_blocks": lambda p, o: {**p, "remote_block_ids": [list(range(10**6))]},
+    "unknown_engine": lambda p, o: {**p, "remote_engine_id": "no-such-engine"},
+    "other_live_request": lambda p, o: {**p, "remote_request_id": o["remote_request_id"]},
+    "wrong_release_token": lambda p, o: {**p, "release_token": "0" * 32},
+    "token_too_long": lambda p, o: {**p, "release_token": "x" * 1000},
+    "other_protocol": lambda p, o: {**p, "protocol": "nixl/9"},
+    "params_a_list": lambda p, o: [p],
+    "do_remote_prefill_text": lambda p, o: {**p, "do_remote_prefill": "yes"},
+    "empty_request_id": lambda p, o: {**p, "remote_request_id": ""},
+    "address_of_no_p": None,  # filled in by the test: a loopback listener
+    "untrusted_host": lambda p, o: {**p, "remote_host": "10.255.255.1"},
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_params_fail_that_request_and_everything_else_goes_on(route, case):
+    prompt = text_prompt(600 + sorted(HOSTILE).index(case), 90)
+    params = prefill(route, prompt)
+    rid = params["remote_request_id"]
+    other = None
+    if case == "other_live_request":  # a request D is reading right now, slowly
+        other = prefill(route, text_prompt(700, 90))
+        slow = threading.Thread(target=decode, args=(route, text_prompt(700, 90),
+                                                     {**other, DEBUG_DELAY_KEY: SLOW_READ_S}))
+        slow.start()
+        wait_event(route.d_log, other["remote_request_id"], "reads_posted")
+    listener, attempts = _listener()
+    try:
+        if case == "address_of_no_p":
+            bad = {**params, "remote_port": listener.getsockname()[1]}
+        else:
+            bad = HOSTILE[case](params, other)
+        r = decode(route, prompt, bad)
+        assert r.status_code >= 400, (r.status_code, r.text[:300])
+    finally:
+        listener.close()
+    assert attempts == [], "D connected to an address outside trusted_producers"
+    if other is not None:
+        slow.join(60)
+        assert_freed_once(route, other["remote_request_id"], released=True)
+    # P gets its blocks back once: at once when D could name the request, else after a lease.
+    d_evs = events(route.d_log, rid)
+    if "rejected" in kinds(d_evs):
+        assert next(e for e in d_evs if e.kind == "rejected").reason
+        assert_freed_once(route, rid, released=True)
+    else:
+        assert_freed_once(route, rid)
+    assert "request_rejected" in serve_log(route.d) or "malformed_transfer_params" in serve_log(
+        route.d)
+    assert_serves(route, 800 + sorted(HOSTILE).index(case))
+
+
+# ---- the logs tell the truth; engines stopped the way operators stop them ----
+
+def _replay_check(*paths: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvhandoff.adapters.cli", "replay", "--check",
+                           *map(str, paths)], capture_output=True, text=True, timeout=300)
+
+
+def test_zz1_every_export_freed_exactly_once_and_replay_is_clean(route):
+    def all_freed():
+        evs = events(route.p_log)
+        exported = {e.request_id for e in evs if e.kind == "exported"}
+        frees = Counter(e.request_id for e in evs if e.kind == "freed")
+        return exported and all(frees[r] for r in exported) and (exported, frees)
+    exported, frees = wait_for(all_freed, LEASE_S * 3, "P to free every exported request")
+    assert all(frees[r] == 1 for r in exported), {r: c for r, c in frees.items() if c != 1}
+    assert len(exported) >= 40
+    result = _replay_check(route.p_log, route.d_log)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "EngineCore encountered a fatal error" not in serve_log(route.d) + serve_log(route.p)
+    assert route.p.alive() and route.d.alive()
+
+
+def test_zz2_kill_9_of_d_loses_at_most_a_step_and_p_frees_by_lease(route):
+    prompt = text_prompt(900, 100)
+    params = prefill(route, prompt)
+    rid = params["remote_request_id"]
+    def send() -> None:
+        try:
+            decode(route, prompt, {**params, DEBUG_DELAY_KEY: 30.0})
+        except httpx.HTTPError:
+            pass  # D died under it
+    sender = threading.Thread(target=send)
+    sender.start()
+    wait_event(route.d_log, rid, "heartbeat_sent")
+    route.d.kill()  # kill -9 of the API server, the engine core and its worker
+    sender.join(60)
+    d_evs = events(route.d_log, rid)  # what reached the OS before the kill
+    assert {"admitted", "validated", "reads_posted", "heartbeat_sent"} <= set(kinds(d_evs))
+    p_evs = assert_freed_once(route, rid, released=False)  # the lease lapsed: D is gone
+    assert "heartbeat_received" in kinds(p_evs)
+
+
+def test_zz3_ctrl_c_on_p_leaves_a_complete_log(route):
+    before = events(route.p_log)
+    assert route.p.stop(signal.SIGINT, timeout_s=60) is not None
+    data = route.p_log.read_bytes()
+    assert data.endswith(b"\n"), "P's log ends in a torn line after Ctrl-C"
+    after = read_log(route.p_log)
+    assert after[:len(before)] == before
+    result = _replay_check(route.p_log, route.d_log)
+    assert result.returncode == 0, result.stdout + result.stderr
