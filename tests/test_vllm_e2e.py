@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from conftest import wait_for
 
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
@@ -84,14 +85,15 @@ def d_events(pd: PDPair, p_request_id: str) -> list:
 
 
 def wait_freed(pd: PDPair, p_request_id: str, timeout_s: float) -> list:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        evs = p_events(pd, p_request_id)
-        if any(e.kind == "freed" for e in evs):
-            time.sleep(0.3)  # a second free, if there were one, would land now
-            return p_events(pd, p_request_id)
-        time.sleep(0.2)
-    raise AssertionError(f"P never freed {p_request_id}: {[e.kind for e in p_events(pd, p_request_id)]}")
+    """P's events for the request once it freed it (a second free fails replay at the end)."""
+    return wait_for(lambda: (evs := p_events(pd, p_request_id))
+                    and any(e.kind == "freed" for e in evs) and evs,
+                    timeout_s, f"P to free {p_request_id}", interval=0.2)
+
+
+def wait_d_event(pd: PDPair, p_request_id: str, kind: str, timeout_s: float = 30.0) -> None:
+    wait_for(lambda: kind in kinds(d_events(pd, p_request_id)), timeout_s,
+             f"D to record {kind} for {p_request_id}", interval=0.05)
 
 
 def kinds(events: list) -> list[str]:
@@ -154,7 +156,7 @@ def test_abort_during_slow_read_keeps_lease_until_finished_recving(pair):
     (rid,), (params,) = prefill(pair, [prompt], "slow")
     slow = LEASE_S * 1.5  # the read outlasts a whole lease: only heartbeats keep P's blocks
     pair.d.add(rid, prompt, OUT, {**params, DEBUG_DELAY_KEY: slow})
-    time.sleep(0.8)
+    wait_d_event(pair, params["remote_request_id"], "reads_posted")
     pair.d.abort([rid])
     assert pair.d.wait_done([rid])[rid]["finish_reason"] == "aborted"
     p_rid = params["remote_request_id"]
@@ -288,7 +290,7 @@ def test_d_restart_does_not_hold_p_blocks_past_one_lease(pair):
     (prompt,) = prompts_for(1, 240, 240, seed=17)
     (rid,), (params,) = prefill(pair, [prompt], "restart")
     pair.d.add(rid, prompt, OUT, {**params, DEBUG_DELAY_KEY: 60.0})
-    time.sleep(1.0)  # admitted, read posted, heartbeating
+    wait_d_event(pair, params["remote_request_id"], "heartbeat_sent")  # read posted, heartbeating
     pair.restart_d(crash=True)
     p_rid = params["remote_request_id"]
     p_evs = wait_freed(pair, p_rid, LEASE_S * 2 + 5)
@@ -333,7 +335,7 @@ def test_p_crash_mid_read_fails_the_request_in_bounded_time(pair):
     (rid,), (params,) = prefill(pair, [prompt], "p-crash")
     slow = LEASE_S * 1.5  # the bytes are held past what P's last answer vouches for
     pair.d.add(rid, prompt, OUT, {**params, DEBUG_DELAY_KEY: slow})
-    time.sleep(1.0)
+    wait_d_event(pair, params["remote_request_id"], "reads_posted")
     t0 = time.monotonic()
     pair.restart_p(crash=True)
     out = pair.d.wait_done([rid], timeout_s=READ_TIMEOUT_S + slow + 30)[rid]

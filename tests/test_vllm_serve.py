@@ -38,7 +38,7 @@ from kvhandoff.adapters.vllm.serve import ServeProcess, ServeSpec  # noqa: E402
 from kvhandoff.adapters.vllm.tiny_model import write_tiny_llama  # noqa: E402
 from kvhandoff.core.log import read_log  # noqa: E402
 
-LEASE_S = 5.0
+LEASE_S = 20.0  # > the time a request waits for D's admission on a loaded 2-core host
 SLOW_READ_S = 2.5
 OUT = 8
 pytestmark = pytest.mark.timeout(900)
@@ -60,15 +60,17 @@ class Route:
         self.model = str(write_tiny_llama(workdir / "model"))
         self.log_dir = workdir / "events"
         self.side_port = free_port()
-        common = {"lease_s": LEASE_S, "heartbeat_interval_s": 0.5, "lease_margin_s": 0.3,
-                  "read_timeout_s": 20.0, "handshake_timeout_s": 10.0,
+        common = {"lease_s": LEASE_S, "heartbeat_interval_s": 1.0, "lease_margin_s": 0.5,
+                  "read_timeout_s": 30.0, "handshake_timeout_s": 10.0,
                   "log_dir": str(self.log_dir)}
-        self.p = ServeProcess(ServeSpec("P", "prefill", self.model, "serve-P",
-                                        dict(common), side_channel_port=self.side_port), workdir)
+        # vLLM's CPU workers pin themselves: P and D on different cores.
+        self.p = ServeProcess(ServeSpec("P", "prefill", self.model, "serve-P", dict(common),
+                                        side_channel_port=self.side_port, cpus="0"), workdir)
         self.d = ServeProcess(ServeSpec("D", "decode", self.model, "serve-D", {
             **common, "debug_read_delay_param": True,
-            "trusted_producers": [f"127.0.0.1:{self.side_port}", "127.0.0.1:1"]}), workdir)
-        self.ref = ServeProcess(ServeSpec("REF", "plain", self.model), workdir)
+            "trusted_producers": [f"127.0.0.1:{self.side_port}", "127.0.0.1:1"]}, cpus="1"),
+            workdir)
+        self.ref = ServeProcess(ServeSpec("REF", "plain", self.model, cpus="0"), workdir)
         self.p_log = self.log_dir / "serve-P.P0.jsonl"
         self.d_log = self.log_dir / "serve-D.D0.jsonl"
         self.router_url = ""
@@ -405,11 +407,10 @@ def test_hostile_params_fail_that_request_and_everything_else_goes_on(route, cas
         assert_freed_once(route, other["remote_request_id"], released=True)
     # P gets its blocks back once: at once when D could name the request, else after a lease.
     d_evs = events(route.d_log, rid)
-    if "rejected" in kinds(d_evs):
+    if "rejected" in kinds(d_evs):  # D could name P's request: P is released at once
         assert next(e for e in d_evs if e.kind == "rejected").reason
         assert_freed_once(route, rid, released=True)
-    else:
-        assert_freed_once(route, rid)
+    # otherwise P frees by lease: test_zz1 checks every export was freed exactly once
     assert "request_rejected" in serve_log(route.d) or "malformed_transfer_params" in serve_log(
         route.d)
     assert_serves(route, 800 + sorted(HOSTILE).index(case))

@@ -37,6 +37,7 @@ class ServeSpec:
     port: int = 0
     side_channel_port: int = 0
     kv_load_failure_policy: str = "fail"
+    cpus: str = ""  # VLLM_CPU_OMP_THREADS_BIND for this engine's worker (CPU build), e.g. "1"
 
     def kv_transfer_config(self) -> dict[str, Any] | None:
         if self.role == "plain":
@@ -71,6 +72,8 @@ class ServeProcess:
         env = engine_env(EngineSpec(spec.name, spec.role, spec.model_dir, control=""))
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # vllm serve as operators run it
         env["VLLM_LOGGING_LEVEL"] = os.environ.get("VLLM_LOGGING_LEVEL", "INFO")
+        if spec.cpus:  # the worker pins itself there: keep P's and D's apart on small hosts
+            env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpus
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(spec.argv(), env=env, stdout=logf,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -126,7 +126,10 @@ def handshake(host: str, port: int, engine_id: str, rank: int, compat: dict[str,
     """
     import zmq
 
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    # A context of its own, as vLLM's NixlConnector does: under `vllm serve`
+    # this runs in a worker process whose shared context never connected.
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(f"tcp://{host}:{port}")
@@ -136,6 +139,7 @@ def handshake(host: str, port: int, engine_id: str, rank: int, compat: dict[str,
         frames = sock.recv_multipart()
     finally:
         sock.close()
+        ctx.destroy(linger=0)
     if len(frames) != 3:
         raise HandshakeFailed(f"{host}:{port}: malformed reply ({len(frames)} frames)")
     hello = _parse_hello(frames[1], f"{host}:{port}")
