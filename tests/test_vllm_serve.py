@@ -64,14 +64,16 @@ class Route:
         common = {"lease_s": LEASE_S, "heartbeat_interval_s": 1.0, "lease_margin_s": 0.5,
                   "read_timeout_s": 30.0, "handshake_timeout_s": 10.0,
                   "log_dir": str(self.log_dir)}
-        # vLLM's CPU workers pin themselves: P and D on different cores.
+        # vLLM's CPU workers pin themselves to these cores and spin while their
+        # engine holds any request (a P holding a lease included): P alone on
+        # core 0, or the reference starves behind a P that holds a lease.
         self.p = ServeProcess(ServeSpec("P", "prefill", self.model, "serve-P", dict(common),
                                         side_channel_port=self.side_port, cpus="0"), workdir)
         self.d = ServeProcess(ServeSpec("D", "decode", self.model, "serve-D", {
             **common, "debug_read_delay_param": True,
             "trusted_producers": [f"127.0.0.1:{self.side_port}", "127.0.0.1:1"]}, cpus="1"),
             workdir)
-        self.ref = ServeProcess(ServeSpec("REF", "plain", self.model, cpus="0"), workdir)
+        self.ref = ServeProcess(ServeSpec("REF", "plain", self.model, cpus="1"), workdir)
         self.p_log = self.log_dir / "serve-P.P0.jsonl"
         self.d_log = self.log_dir / "serve-D.D0.jsonl"
         self.router_url = ""

@@ -239,8 +239,10 @@ class ConsumerHalf:
         """True for a clean-up of a request this D already took (nothing to do for it).
 
         Parameters are single-use: a second request naming a P request this D
-        took (in any state, released included, until the record is pruned one
-        lease after it ended) must never read P's blocks again; it fails.
+        took (in any state, released included, until the record is pruned two
+        to three leases after it ended) must never read P's blocks again; it
+        fails.  (Past that, P has long freed the blocks and answers "gone":
+        D refuses the bytes as unproven.)
         """
         rec = self._rec(remote.request_id)
         if not isinstance(rec, ConsumerRecord):
