@@ -41,6 +41,8 @@ from kvhandoff.core.events import (
 from kvhandoff.core.lifecycle import (
     ConsumerRecord,
     DState,
+    Verdict,
+    read_verdict_of,
 )
 from kvhandoff.core.planning import coalesce, validate_block_ids
 from kvhandoff.core.policy import (
@@ -54,6 +56,10 @@ log = structlog.get_logger(__name__)
 
 
 GAVE_UP = "gave up: "  # IncomingHandoff.error prefix of a request failed by _give_up
+_REFUSED_BECAUSE = {
+    Verdict.UNSAFE: "a read completed after P may have freed its blocks (P answered: gone)",
+    Verdict.PENDING: "no answer from P proving it held the blocks within read_timeout_s",
+}
 
 
 class TransferParamsReused(MalformedTransferParams):
@@ -594,8 +600,14 @@ class ConsumerHalf:
 
     def _report(self, rid: str, inc: IncomingHandoff, now: float, finished: set[str],
                 failed: set[str]) -> None:
+        verdict = read_verdict_of(self._rec(rid))
         self._record(FinishedRecving, rid, now)
-        ok = self._rec(rid).state is DState.RECEIVED
+        rec = self._rec(rid)
+        ok = rec.state is DState.RECEIVED
+        if not ok and not inc.error.startswith(GAVE_UP):
+            log.error("vllm.worker.read_refused", request_id=rid, local_request_id=inc.local_id,
+                      verdict=verdict.value, error=rec.failed or _REFUSED_BECAUSE.get(
+                          verdict, "the reads brought nothing D may serve"))
         self._release(rid, now, notify_only=not ok)
         if inc.read_entry:
             finished.add(inc.local_id)
