@@ -346,3 +346,21 @@ def test_events_reach_the_os_every_step_without_a_flush(workers):
                           reads=[Read("L9", [[9]])]))
     _pump(p, d, lambda s, r, f: "r9" in s)
     assert _kinds(d, "r9")[-1] == "release_sent" and _kinds(p, "r9")[-1] == "freed"
+
+
+def test_an_exception_answering_one_notification_costs_only_that_one(workers, monkeypatch):
+    p, d, pc, dc, port = workers
+    fired: list[int] = []
+    real = p._p_heartbeat
+
+    def answer(*args, **kwargs):
+        if not fired:
+            fired.append(1)
+            raise RuntimeError("injected into P's heartbeat answer")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(p, "_p_heartbeat", answer)
+    with capture_logs() as logs:
+        _done_handoff(p, d, port, "r10", "L10", (12,), "tok-10", [12])
+    assert fired and [e["event"] for e in logs if e["log_level"] == "error"] == [
+        "vllm.worker.notification_error"]
+    assert _same(pc, dc, (12,), (12,)) and _kinds(p, "r10").count("freed") == 1
