@@ -213,8 +213,6 @@ def _state_slot(slots: Sequence[int], spec_slots: int) -> Sequence[int]:
 def _checked_ids(group: int, what: str, ids: Sequence[object], num_blocks: int) -> tuple[int, ...]:
     try:
         return validate_block_ids(ids, num_blocks, what)
-    except GroupMismatch:
-        raise
     except GeometryMismatch as exc:
         raise GroupMismatch(group, exc.what, exc.expected, exc.found) from None
 

@@ -32,7 +32,7 @@ from kvhandoff.transports.nixl import (  # noqa: E402
     runs_array,
 )
 from kvhandoff.transports.nixl.process import RegionSpec, pattern  # noqa: E402
-from tests.transport_contract import TransportContract, TransportPair  # noqa: E402
+from tests.transport_contract import RegionShape, TransportContract, TransportPair  # noqa: E402
 
 DRAM = MemoryKind.DRAM
 VRAM = DRAM if DRY_RUN else MemoryKind.VRAM
@@ -48,17 +48,18 @@ def _tag() -> str:
     return str(time.monotonic_ns() % 10**9)
 
 
-def vram_pair(num_blocks: int, block_bytes: int, n_regions: int) -> TransportPair:
+def vram_pair(p_shapes: list[RegionShape], d_shapes: list[RegionShape]) -> TransportPair:
+    """P's regions in VRAM (its child allocates them); D's in VRAM unless ``host``."""
     tag = _tag()
     p = TransportProcess(f"P-gpu-{tag}")
     d = NixlTransport(f"D-gpu-{tag}")
-    names = [f"layer{i}.kv" for i in range(n_regions)]
-    p_regions = [KVRegion(n, RegionSpec(n, num_blocks, block_bytes, VRAM, 0, seed=i),
-                          num_blocks, block_bytes, VRAM, 0) for i, n in enumerate(names)]
-    d_bufs = [torch.zeros((num_blocks, block_bytes), dtype=torch.uint8, device=GPU)
-              for _ in names]
-    d_regions = [KVRegion(n, b, num_blocks, block_bytes, VRAM, 0)
-                 for n, b in zip(names, d_bufs, strict=True)]
+    names = [s.name for s in p_shapes]
+    p_regions = [KVRegion(s.name, RegionSpec(s.name, s.num_blocks, s.block_bytes, VRAM, 0, seed=i),
+                          s.num_blocks, s.block_bytes, VRAM, 0) for i, s in enumerate(p_shapes)]
+    d_bufs = [torch.zeros((s.num_blocks, s.block_bytes), dtype=torch.uint8,
+                          device="cpu" if s.host else GPU) for s in d_shapes]
+    d_regions = [KVRegion(s.name, b, s.num_blocks, s.block_bytes, DRAM if s.host else VRAM, 0)
+                 for s, b in zip(d_shapes, d_bufs, strict=True)]
 
     def write_d(i: int, rows: np.ndarray) -> None:
         d_bufs[i].copy_(torch.from_numpy(rows))
@@ -84,8 +85,8 @@ def vram_pair(num_blocks: int, block_bytes: int, n_regions: int) -> TransportPai
 
 
 class TestNixlVramContract(TransportContract):
-    def make_pair(self, num_blocks, block_bytes, n_regions):
-        return vram_pair(num_blocks, block_bytes, n_regions)
+    def make_shaped_pair(self, p_shapes, d_shapes):
+        return vram_pair(p_shapes, d_shapes)
 
     # As on host memory (see test_transport_nixl.py): a READ posted just before the
     # producer dies may have landed already; it must then be complete and correct.
