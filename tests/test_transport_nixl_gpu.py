@@ -22,7 +22,15 @@ DRY_RUN = os.environ.get("KVH_NIXL_GPU_TESTS_ON_CPU") == "1"
 pytestmark = pytest.mark.skipif(not (DRY_RUN or torch.cuda.is_available()),
                                 reason="needs a CUDA GPU")
 
-from kvhandoff.core.planning import coalesce  # noqa: E402
+from kvhandoff.core.groups import (  # noqa: E402
+    CacheGroup,
+    CacheKind,
+    CacheLayout,
+    CacheRegion,
+    TensorPlacement,
+    tensor_regions,
+)
+from kvhandoff.core.planning import coalesce, plan_group_reads  # noqa: E402
 from kvhandoff.transports.base import KVRegion, MemoryKind, ReadRequest  # noqa: E402
 from kvhandoff.transports.nixl import (  # noqa: E402
     NixlOptions,
@@ -31,7 +39,7 @@ from kvhandoff.transports.nixl import (  # noqa: E402
     TransportProcess,
     runs_array,
 )
-from kvhandoff.transports.nixl.process import RegionSpec, pattern  # noqa: E402
+from kvhandoff.transports.nixl.process import RegionSpec, RegionView, pattern  # noqa: E402
 from tests.transport_contract import RegionShape, TransportContract, TransportPair  # noqa: E402
 
 DRAM = MemoryKind.DRAM
@@ -171,3 +179,126 @@ def test_a_large_shuffled_vram_read_lands_every_byte(vram_ipc):
             assert d.ipc_descriptors == (nb if vram_ipc and not DRY_RUN else 0)
         finally:
             d.close()
+
+
+# --- hybrid caches shaped as vLLM 0.32 allocates them ---------------------------------
+
+ATTN_PAGE = 16 * 2 * 8 * 128 * 2  # 16 tokens x K/V x 8 KV heads x head 128 x bf16 = 64 KiB
+ATTN_BLOCKS = 1024
+CONV, SSM = 3 * 1024 * 4, 16 * 64 * 128 * 4  # a Mamba2 layer's conv + SSM state, fp32
+STATE_SLOTS = 32
+
+
+def hybrid_layout() -> tuple[CacheLayout, int]:
+    """Gemma-3-like sliding + full groups overlaid on four layer slots of one backing
+    allocation (vLLM's hybrid allocator: group *g*'s layer *i* on tensor slot *i*), and a
+    Mamba2-like state group placed after them in the same allocation.  Returns the layout
+    and the allocation's size."""
+    slot = ATTN_BLOCKS * ATTN_PAGE
+    sw = [f"layers.{2 * i}.attn" for i in range(4)]
+    full = [f"layers.{2 * i + 1}.attn" for i in range(4)]
+    mamba = ["layers.8.mixer", "layers.9.mixer"]
+    page = CONV + SSM
+    tensors = [TensorPlacement(4 * slot, tuple(sw), slot, ATTN_PAGE),
+               TensorPlacement(4 * slot, tuple(full), slot, ATTN_PAGE),
+               TensorPlacement(2 * STATE_SLOTS * page, tuple(mamba), STATE_SLOTS * page, page,
+                               offset=4 * slot)]
+    pages = {**dict.fromkeys(sw + full, ATTN_PAGE), **dict.fromkeys(mamba, page)}
+    attn = tensor_regions(tensors[:2], pages, ATTN_BLOCKS)
+    state = tensor_regions(tensors[2:], pages, STATE_SLOTS)
+    mamba_regions = tuple(CacheRegion(state[m].name, page, (("conv", 0, CONV), ("ssm", CONV, SSM)))
+                          for m in mamba)
+    layout = CacheLayout((
+        CacheGroup(0, CacheKind.SLIDING_WINDOW, 16, ATTN_BLOCKS, tuple(attn[x] for x in sw),
+                   tuple(sw), window=1024),
+        CacheGroup(1, CacheKind.FULL_ATTENTION, 16, ATTN_BLOCKS, tuple(attn[x] for x in full),
+                   tuple(full)),
+        CacheGroup(2, CacheKind.MAMBA_STATE, 4096, STATE_SLOTS, mamba_regions, tuple(mamba)),
+    ))
+    return layout, 4 * slot + 2 * STATE_SLOTS * page
+
+
+def _offset(region: str) -> int:
+    return int(region.split("@")[1])
+
+
+@pytest.mark.parametrize("vram_ipc", [True, False], ids=["cuda-ipc", "nixl-only"])
+def test_vllm_shaped_hybrid_caches_register_once_and_read_per_group(vram_ipc):
+    """Two attention groups overlaid on shared tensors plus a state group, one allocation per
+    side: one registration each; one READ per (rank, group); every byte verified; the window
+    group reads the window's blocks, not the prompt's."""
+    layout, nbytes = hybrid_layout()
+    regions = layout.regions()
+    assert len(regions) == 6  # 8 attention layers on 4 shared slots, 2 state layers
+    num_tokens = 4000  # 250 blocks of 16 tokens; the window's 1024 tokens are in the last 64
+    rng = np.random.default_rng(3)
+    p_perm, d_perm = rng.permutation(ATTN_BLOCKS), rng.permutation(ATTN_BLOCKS)
+    p_ids = [p_perm[:250].tolist(), p_perm[250:500].tolist(), [5]]
+    d_ids = [d_perm[:250].tolist(), d_perm[250:500].tolist(), [17]]
+    plan = plan_group_reads(layout, layout, p_ids, d_ids, num_tokens)
+    sw, full, state = plan.reads
+    assert sw.nbytes == 64 * 4 * ATTN_PAGE and sw.prompt_bytes == full.nbytes == 250 * 4 * ATTN_PAGE
+    assert state.nbytes == 2 * (CONV + SSM)
+    tag = _tag()
+    with TransportProcess(f"P-hybrid-{tag}") as p:
+        views = [RegionView(r.name, _offset(r.name), _blocks(layout, r.name), r.block_bytes)
+                 for r in regions]
+        p.allocate_views(VRAM, 0, nbytes, 21, views)
+        d = NixlTransport(f"D-hybrid-{tag}", NixlOptions(vram_ipc=vram_ipc))
+        try:
+            dst = torch.zeros(nbytes, dtype=torch.uint8, device=GPU)
+            d.register([KVRegion(r.name, _view(dst, r.name, layout), _blocks(layout, r.name),
+                                 r.block_bytes, VRAM, 0) for r in regions])
+            assert [n for _, n, _ in p.call("registrations")] == [nbytes]
+            assert [r.nbytes for r in d.registrations] == [nbytes]
+            peer = d.add_peer(p.metadata())
+            warm = d.post_split_read(peer, [ReadSplit(p.runs, p.regions) for p in state.parts])
+            assert [(c.handle, c.ok) for c in _wait_one(d)] == [(warm, True)]  # connect, map
+            took: dict[int, float] = {}
+            for read in plan.reads:  # one READ per (rank, group), timed one at a time
+                t0 = time.perf_counter()
+                h = d.post_split_read(peer, [ReadSplit(p.runs, p.regions) for p in read.parts])
+                (c,) = _wait_one(d)
+                took[read.group] = time.perf_counter() - t0
+                assert (c.handle, c.ok) == (h, True), c.reason
+            assert d.poll() == []
+            sync()
+            src = pattern(21, nbytes, torch, GPU)
+            want = torch.zeros_like(dst)
+            for read in plan.reads:
+                r_ids = torch.as_tensor(read.remote_ids, device=GPU)
+                l_ids = torch.as_tensor(read.local_ids, device=GPU)
+                for remote_name, local_name in read.parts[0].regions:
+                    _view(want, local_name, layout)[l_ids] = _view(src, remote_name, layout)[r_ids]
+            assert torch.equal(dst, want)  # every group's blocks, and nothing else
+            _report("hybrid_" + ("cuda_ipc" if vram_ipc else "nixl"), {
+                "groups": {r.kind.value: {"bytes": r.nbytes, "prompt_bytes": r.prompt_bytes,
+                                          "ms": round(took[r.group] * 1e3, 3),
+                                          "GBps": round(r.nbytes / took[r.group] / 1e9, 1)}
+                           for r in plan.reads},
+                "registrations_p": len(p.call("registrations")),
+                "registrations_d": len(d.registrations), "allocation_bytes": nbytes})
+        finally:
+            d.close()
+
+
+def _blocks(layout: CacheLayout, region: str) -> int:
+    return next(g.num_blocks for g in layout.groups for r in g.regions if r.name == region)
+
+
+def _view(buf, region: str, layout: CacheLayout):
+    """Region ``region`` of a backing allocation as (blocks, block_bytes) rows."""
+    (block_bytes,) = {r.block_bytes for g in layout.groups for r in g.regions if r.name == region}
+    n = _blocks(layout, region)
+    start = _offset(region)
+    return buf[start:start + n * block_bytes].view(n, block_bytes)
+
+
+def _report(name: str, result: dict) -> None:
+    """Append a result line to ``$KVH_GPU_REPORT`` (the recorded GPU run), if set."""
+    path = os.environ.get("KVH_GPU_REPORT")
+    if path:
+        import json
+
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": name, **result}) + "\n")
