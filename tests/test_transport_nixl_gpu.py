@@ -31,7 +31,12 @@ from kvhandoff.core.groups import (  # noqa: E402
     tensor_regions,
 )
 from kvhandoff.core.planning import coalesce, plan_group_reads  # noqa: E402
-from kvhandoff.transports.base import KVRegion, MemoryKind, ReadRequest  # noqa: E402
+from kvhandoff.transports.base import (  # noqa: E402
+    KVRegion,
+    MemoryKind,
+    ReadRequest,
+    group_splits,
+)
 from kvhandoff.transports.nixl import (  # noqa: E402
     NixlOptions,
     NixlTransport,
@@ -218,10 +223,6 @@ def hybrid_layout() -> tuple[CacheLayout, int]:
     return layout, 4 * slot + 2 * STATE_SLOTS * page
 
 
-def _offset(region: str) -> int:
-    return int(region.split("@")[1])
-
-
 @pytest.mark.parametrize("vram_ipc", [True, False], ids=["cuda-ipc", "nixl-only"])
 def test_vllm_shaped_hybrid_caches_register_once_and_read_per_group(vram_ipc):
     """Two attention groups overlaid on shared tensors plus a state group, one allocation per
@@ -241,7 +242,7 @@ def test_vllm_shaped_hybrid_caches_register_once_and_read_per_group(vram_ipc):
     assert state.nbytes == 2 * (CONV + SSM)
     tag = _tag()
     with TransportProcess(f"P-hybrid-{tag}") as p:
-        views = [RegionView(r.name, _offset(r.name), _blocks(layout, r.name), r.block_bytes)
+        views = [RegionView(r.name, r.offset, _blocks(layout, r.name), r.block_bytes)
                  for r in regions]
         p.allocate_views(VRAM, 0, nbytes, 21, views)
         d = NixlTransport(f"D-hybrid-{tag}", NixlOptions(vram_ipc=vram_ipc))
@@ -252,12 +253,12 @@ def test_vllm_shaped_hybrid_caches_register_once_and_read_per_group(vram_ipc):
             assert [n for _, n, _ in p.call("registrations")] == [nbytes]
             assert [r.nbytes for r in d.registrations] == [nbytes]
             peer = d.add_peer(p.metadata())
-            warm = d.post_split_read(peer, [ReadSplit(p.runs, p.regions) for p in state.parts])
+            warm = d.post_split_read(peer, group_splits([state]))
             assert [(c.handle, c.ok) for c in _wait_one(d)] == [(warm, True)]  # connect, map
             took: dict[int, float] = {}
             for read in plan.reads:  # one READ per (rank, group), timed one at a time
                 t0 = time.perf_counter()
-                h = d.post_split_read(peer, [ReadSplit(p.runs, p.regions) for p in read.parts])
+                h = d.post_split_read(peer, group_splits([read]))
                 (c,) = _wait_one(d)
                 took[read.group] = time.perf_counter() - t0
                 assert (c.handle, c.ok) == (h, True), c.reason
@@ -290,7 +291,7 @@ def _view(buf, region: str, layout: CacheLayout):
     """Region ``region`` of a backing allocation as (blocks, block_bytes) rows."""
     (block_bytes,) = {r.block_bytes for g in layout.groups for r in g.regions if r.name == region}
     n = _blocks(layout, region)
-    start = _offset(region)
+    start = next(r.offset for r in layout.regions() if r.name == region)
     return buf[start:start + n * block_bytes].view(n, block_bytes)
 
 

@@ -62,6 +62,7 @@ from kvhandoff.transports.base import (
     Transport,
     TransportError,
     UnknownPeer,
+    group_splits,
 )
 from tests.hybrid_layouts import D_IDS, EXPECTED, MAIN_KV, NUM_BLOCKS, NUM_TOKENS, P_IDS, qsa_layout
 
@@ -402,7 +403,7 @@ class TransportContract:
             for region in layout.groups[g].regions:
                 for r, loc in zip(remote, local, strict=True):
                     expect.setdefault(region.name, {})[loc] = (region.name, r)
-        splits = [ReadSplit(part.runs, part.regions) for read in plan.reads for part in read.parts]
+        splits = group_splits(plan.reads)
         pair = self._hybrid_pair()
         try:
             self._post_and_check(pair, splits, expect, plan.nbytes)
@@ -430,7 +431,7 @@ class TransportContract:
         for r in MAIN_KV:
             expect[f"{r.name}@pool"] = landing(r.name, pool_slots, P_IDS[0][:5])
             expect[f"{r.name}@tail"] = landing(r.name, tail_slots, P_IDS[0][5:])
-        splits = [ReadSplit(p.runs, p.regions) for read in (routed, indexer) for p in read.parts]
+        splits = group_splits([routed, indexer])
         assert len(splits) == 3
         pair = self._hybrid_pair(d_shapes)
         try:
