@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -26,7 +27,6 @@ from kvhandoff.core.groups import (  # noqa: E402
     CacheGroup,
     CacheKind,
     CacheLayout,
-    CacheRegion,
     TensorPlacement,
     tensor_regions,
 )
@@ -211,7 +211,7 @@ def hybrid_layout() -> tuple[CacheLayout, int]:
     pages = {**dict.fromkeys(sw + full, ATTN_PAGE), **dict.fromkeys(mamba, page)}
     attn = tensor_regions(tensors[:2], pages, ATTN_BLOCKS)
     state = tensor_regions(tensors[2:], pages, STATE_SLOTS)
-    mamba_regions = tuple(CacheRegion(state[m].name, page, (("conv", 0, CONV), ("ssm", CONV, SSM)))
+    mamba_regions = tuple(replace(state[m], parts=(("conv", 0, CONV), ("ssm", CONV, SSM)))
                           for m in mamba)
     layout = CacheLayout((
         CacheGroup(0, CacheKind.SLIDING_WINDOW, 16, ATTN_BLOCKS, tuple(attn[x] for x in sw),
