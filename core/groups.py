@@ -183,12 +183,14 @@ class TensorPlacement:
     """vLLM 0.32's ``KVCacheTensor``: where a set of same-shaped layers' pages sit.
 
     Layer ``layers[l]``'s page of block ``b`` starts ``offset + l * layer_stride
-    + b * block_stride`` bytes into the engine's backing allocation.  Tensors
-    whose ranges coincide alias the same bytes: groups overlay each other, and
-    one block id is owned by one group at a time.
+    + b * block_stride`` bytes into the engine's backing allocation of ``size``
+    bytes (as in vLLM, ``size`` is the whole allocation's, the same for every
+    tensor, not this tensor's share).  Tensors whose ranges coincide alias the
+    same bytes: vLLM lays every group out from byte 0, so groups overlay each
+    other, and one block id is owned by one group at a time.
     """
 
-    size: int
+    size: int  # bytes of the whole backing allocation
     layers: tuple[str, ...]
     layer_stride: int
     block_stride: int
@@ -225,7 +227,7 @@ def tensor_regions(tensors: Sequence[TensorPlacement], page_bytes: Mapping[str, 
                                 f"(block_stride {page}) or packed blocks (layer_stride {page})",
                                 (t.layer_stride, t.block_stride))
         for layer, (offset, block_bytes) in zip(t.layers, spots, strict=True):
-            if offset + (num_blocks - 1) * t.block_stride + block_bytes > t.offset + t.size:
+            if offset + (num_blocks - 1) * t.block_stride + block_bytes > t.size:
                 raise GroupMismatch(None, f"kv_cache_tensors[{i}].size",
                                     f"room for {num_blocks} blocks of {layer!r}", t.size)
             if layer in places:

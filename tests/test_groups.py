@@ -144,6 +144,8 @@ def test_a_packed_block_layout_is_one_region_whose_block_is_every_layers_page():
     (TensorPlacement(1 << 20, ("a", "b"), 1 << 19, 64), {"a": 64, "b": 128}, "page bytes"),
     (TensorPlacement(1 << 20, ("a",), 1 << 19, 96), {"a": 64}, "strides"),
     (TensorPlacement(1 << 10, ("a",), 1 << 10, 64), {"a": 64}, "size"),
+    # ``size`` is the whole allocation's (vLLM's KVCacheTensor.size), not the tensor's share
+    (TensorPlacement(1 << 16, ("a",), 1 << 16, 64, offset=1 << 15), {"a": 64}, "size"),
 ])
 def test_placements_that_cannot_be_read_as_regions_are_refused(tensor, pages, field):
     with pytest.raises(GroupMismatch) as err:

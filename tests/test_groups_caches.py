@@ -2,8 +2,11 @@
 
 The caches are built the way vLLM 0.32 builds them on CPU (recorded in
 docs/hybrid.md): one backing allocation; a Gemma-3 model's sliding and full
-groups overlaid on the same tensors, layer slot by layer slot; a Mamba2
-state group's pages after them.  The layer tensors handed to the worker are
+groups overlaid on the same tensors, layer slot by layer slot (vLLM lays
+every group out from byte 0).  A Mamba2 state group's pages sit after them
+here, at their own page size: not a vLLM model (vLLM would pad the state
+page to the attention page and overlay it too, as the GPU test does), but
+it checks regions of two block sizes and a non-zero offset in one allocation.  The layer tensors handed to the worker are
 views of that allocation, and two layers of different groups share bytes.
 """
 
@@ -35,9 +38,10 @@ def layout_and_caches(num_blocks: int, slots: int, seed: int):
     """A layout and the per-layer tensors vLLM would hand ``register_kv_caches``."""
     page_m = CONV + SSM
     slot = num_blocks * PAGE
-    tensors = [TensorPlacement(2 * slot, tuple(SW), slot, PAGE),
-               TensorPlacement(2 * slot, tuple(FULL), slot, PAGE),
-               TensorPlacement(slots * page_m, tuple(MAMBA), slots * page_m, page_m, 2 * slot)]
+    size = 2 * slot + slots * page_m  # vLLM's KVCacheTensor.size: the whole allocation
+    tensors = [TensorPlacement(size, tuple(SW), slot, PAGE),
+               TensorPlacement(size, tuple(FULL), slot, PAGE),
+               TensorPlacement(size, tuple(MAMBA), slots * page_m, page_m, 2 * slot)]
     pages = {**dict.fromkeys(SW + FULL, PAGE), MAMBA[0]: page_m}
     attn = tensor_regions(tensors[:2], pages, num_blocks)
     state = tensor_regions(tensors[2:], pages, slots)
