@@ -124,10 +124,12 @@ def blocks_needed(group: CacheGroup, num_tokens: int) -> int:
     """How many trailing block positions of ``group`` a request of ``num_tokens`` reads.
 
     Full attention and indexer: every block holding a prompt token.  Sliding
-    window: the blocks that hold the last ``window`` tokens, i.e. positions
-    ``(num_tokens - window) // block_size`` to the last (the next token
-    attends to ``window - 1`` of them; vLLM's window manager keeps as many).
-    State kinds: the one slot the request ends with.
+    window: the blocks holding the ``window - 1`` tokens the next token
+    attends to besides itself, i.e. positions ``(num_tokens - window + 1) //
+    block_size`` to the last: exactly the blocks vLLM's window manager keeps
+    (``SlidingWindowManager.get_num_skipped_tokens``); P nulls the ones
+    before, so reading one more would read vLLM's null block.  State kinds:
+    the one slot the request ends with.
     """
     if num_tokens <= 0:
         return 0
@@ -135,7 +137,7 @@ def blocks_needed(group: CacheGroup, num_tokens: int) -> int:
         return 1
     total = -(-num_tokens // group.block_size)
     if group.kind is CacheKind.SLIDING_WINDOW:
-        return total - max(0, num_tokens - group.window) // group.block_size
+        return total - max(0, num_tokens - group.window + 1) // group.block_size
     return total
 
 
@@ -159,6 +161,8 @@ def plan_group_reads(remote: CacheLayout, local: CacheLayout,
     it reads.  Errors are `GroupMismatch` naming the group.
     """
     groups = local.groups
+    if len(remote.groups) != len(groups):  # the handshake's check_matches refuses this first
+        raise GroupMismatch(None, "number of groups", len(groups), len(remote.groups))
     for what, ids in (("remote block id lists", remote_ids), ("local block id lists", local_ids)):
         if len(ids) != len(groups):
             raise GroupMismatch(None, what, len(groups), len(ids))

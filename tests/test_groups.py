@@ -192,9 +192,11 @@ def test_the_window_blocks_are_exactly_those_holding_the_last_window_tokens(n, b
     k = blocks_needed(g, n)
     total = -(-n // block)
     first = total - k  # first block position read
-    assert 1 <= k <= total
-    assert first * block <= max(0, n - window)  # covers token n - window ...
-    assert (first + 1) * block > max(0, n - window)  # ... and no block before it
+    oldest = max(0, n - window + 1)  # the oldest token the next token (n) attends to
+    assert 0 <= k <= total
+    assert k or oldest == n == total * block  # nothing to read: only a window of 1 token
+    assert first * block <= oldest  # covers the oldest token attended ...
+    assert (first + 1) * block > oldest  # ... and no block before it (vLLM nulls those)
     assert k <= -(-window // block) + 1  # never more than vLLM's NixlConnector clips to
 
 
@@ -242,6 +244,13 @@ def test_a_requests_block_ids_are_checked_group_by_group(p_ids, d_ids, group, fi
     assert (err.value.group, err.value.field) == (group, field)
 
 
+def test_a_peer_layout_with_another_number_of_groups_is_a_typed_error_not_a_crash():
+    layout = qsa_layout()
+    with pytest.raises(GroupMismatch) as err:
+        plan_group_reads(CacheLayout(layout.groups[:4]), layout, P_IDS, D_IDS, NUM_TOKENS)
+    assert (err.value.group, err.value.field) == (None, "number of groups")
+
+
 def test_remote_ids_are_checked_against_the_peers_pool_and_local_ids_against_ours():
     small_p = qsa_layout(num_blocks=32)  # P's pool: ids 0..31
     with pytest.raises(GroupMismatch) as err:
@@ -274,3 +283,8 @@ def test_the_null_block_may_pad_positions_a_group_does_not_read_but_is_never_rea
         plan_group_reads(layout, layout, [[0, 0, 0, 0, 5, 6]], [[0, 0, 0, 9, 1, 2]], 170,
                          null_block=0)
     assert (err.value.group, err.value.field) == (0, "remote block ids[0] (the null block)")
+    # 191 tokens: the next token attends to tokens 128..190, so vLLM nulls positions 0..3;
+    # position 3 (tokens 96..127) is out of the window, not read (regression: it was).
+    (read,) = plan_group_reads(layout, layout, [[0, 0, 0, 0, 5, 6]], [[0, 0, 0, 0, 1, 2]], 191,
+                               null_block=0).reads
+    assert (read.remote_ids, read.local_ids) == ((5, 6), (1, 2))
