@@ -165,6 +165,16 @@ class TransportContract:
             pair.pump()
         raise AssertionError(f"gave up waiting for {what} after {self.MAX_PUMPS} pumps")
 
+    def settled_completions(self, pair: TransportPair, what: str) -> list[Completion]:
+        """D's completions once the first came and 50 more pumps brought nothing else
+        (a split READ must complete once, not once per part)."""
+        done: list[Completion] = []
+        self.wait(pair, lambda: bool(done.extend(pair.d.poll()) or done), what)
+        for _ in range(50):
+            pair.pump()
+            done.extend(pair.d.poll())
+        return done
+
     def read_all(self, pair: TransportPair, peer: str, reads: list[ReadRequest],
                  notif: bytes | None = None) -> dict[int, Completion]:
         """Post ``reads``, pump until each completed, and return completions by handle."""
@@ -259,11 +269,7 @@ class TransportContract:
         tail = ReadSplit(coalesce([10, 11], [0, 1]), ((names[0], names[1]),))  # crossed names
         pool = ReadSplit(coalesce([3, 7, 8], [20, 21, 22]), ((names[2], names[2]),))
         handle = pair.d.post_split_read(p_name, [tail, pool])
-        done: list[Completion] = []
-        self.wait(pair, lambda: bool(done.extend(pair.d.poll()) or done), "the split READ")
-        for _ in range(50):
-            pair.pump()
-            done.extend(pair.d.poll())
+        done = self.settled_completions(pair, "the split READ")
         assert [(c.handle, c.ok) for c in done] == [(handle, True)], done
         assert np.array_equal(pair.read_d(1)[0:2], source[0][10:12])
         assert np.array_equal(pair.read_d(2)[20:23], source[2][[3, 7, 8]])
@@ -385,11 +391,7 @@ class TransportContract:
 
         self.wait(pair, delivered, "the hybrid READ's notification at P")
         assert [(n.peer, n.message) for n in heard] == [(d_name, b"release:hybrid")]
-        done: list[Completion] = []
-        self.wait(pair, lambda: bool(done.extend(pair.d.poll()) or done), "the completion")
-        for _ in range(50):
-            pair.pump()
-            done.extend(pair.d.poll())
+        done = self.settled_completions(pair, "the completion")
         assert [(c.handle, c.ok) for c in done] == [(handle, True)], done
         check_d()
 
