@@ -230,18 +230,27 @@ def _checked_ids(group: int, what: str, ids: Sequence[object], num_blocks: int,
     return out
 
 
-def route_tail(read: GroupRead, tail_blocks: int, pool: str = "@pool",
+def route_tail(read: GroupRead, tail_ids: Sequence[int], pool: str = "@pool",
                tail: str = "@tail") -> GroupRead:
-    """``read`` with its last ``tail_blocks`` blocks into ``<region><tail>``, the rest into
-    ``<region><pool>``: a hierarchical sparse cache keeps history in a host pool and
-    the writable tail on the GPU.  Still one split (one handle, one completion).
+    """``read`` with its last ``len(tail_ids)`` blocks into ``<region><tail>`` at slots
+    ``tail_ids``, the rest into ``<region><pool>`` at ``read.local_ids``: a hierarchical
+    sparse cache keeps history in a host pool and the writable tail on the GPU, each
+    with its own slots (the same id may name a pool block and a tail slot).  Still one
+    split: one handle, one completion.  ``tail_ids`` longer than the read, repeated or
+    negative are a `GroupMismatch` naming the group.
     """
     n = len(read.local_ids)
-    cut = n - min(max(tail_blocks, 0), n)
+    if len(tail_ids) > n:
+        raise GroupMismatch(read.group, "tail ids", f"at most {n} (the blocks read)", len(tail_ids))
+    try:
+        tail_ids = validate_block_ids(tail_ids, 1 << 62, "tail ids")
+    except GeometryMismatch as exc:
+        raise GroupMismatch(read.group, exc.what, exc.expected, exc.found) from None
+    cut = n - len(tail_ids)
     parts = []
-    for lo, hi, suffix in ((0, cut, pool), (cut, n, tail)):
-        if hi > lo:
+    for remote_ids, local_ids, suffix in ((read.remote_ids[:cut], read.local_ids[:cut], pool),
+                                          (read.remote_ids[cut:], tail_ids, tail)):
+        if local_ids:
             regions = tuple((remote, local + suffix) for remote, local in read.parts[0].regions)
-            parts.append(ReadPart(coalesce(read.remote_ids[lo:hi], read.local_ids[lo:hi]),
-                                  regions))
+            parts.append(ReadPart(coalesce(remote_ids, local_ids), regions))
     return replace(read, parts=tuple(parts))

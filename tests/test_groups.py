@@ -265,14 +265,20 @@ def test_remote_ids_are_checked_against_the_peers_pool_and_local_ids_against_our
 def test_route_tail_splits_one_groups_read_between_a_host_pool_and_a_gpu_tail():
     layout = qsa_layout()
     main = plan_group_reads(layout, layout, P_IDS, D_IDS, NUM_TOKENS).reads[0]
-    routed = route_tail(main, 2)
+    routed = route_tail(main, [15, 0])  # the tail's own slots: 15 is also a pool block
     pool, tail = routed.parts
     assert pool.runs == (BlockRun(3, 10, 4), BlockRun(20, 14, 1))
     assert pool.regions == (("main.kv.0", "main.kv.0@pool"), ("main.kv.1", "main.kv.1@pool"))
-    assert tail.runs == (BlockRun(21, 15, 2),)
+    assert tail.runs == (BlockRun(21, 15, 1), BlockRun(22, 0, 1))
     assert tail.regions == (("main.kv.0", "main.kv.0@tail"), ("main.kv.1", "main.kv.1@tail"))
     assert routed.key == main.key and routed.nbytes == main.nbytes
-    assert [len(p.regions) for p in route_tail(main, 99).parts] == [2]  # all tail
+    assert [p.regions[0][1] for p in route_tail(main, list(range(7))).parts] == ["main.kv.0@tail"]
+    assert [p.regions[0][1] for p in route_tail(main, []).parts] == ["main.kv.0@pool"]
+    for bad, field in (([1, 1], "tail ids[1] (duplicate block)"), ([-1], "tail ids[0]"),
+                       (list(range(8)), "tail ids")):
+        with pytest.raises(GroupMismatch) as err:
+            route_tail(main, bad)
+        assert (err.value.group, err.value.field) == (0, field)
 
 
 def test_the_null_block_may_pad_positions_a_group_does_not_read_but_is_never_read():

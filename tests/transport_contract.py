@@ -420,12 +420,15 @@ class TransportContract:
                      for r in MAIN_KV]
                     + [RegionShape(f"{r.name}@tail", 8, r.block_bytes) for r in MAIN_KV]
                     + [RegionShape("indexer.0", NUM_BLOCKS, 128)])
-        pool_slots, tail_slots = [33, 34, 35, 60, 2], [0, 1]
-        d_ids = [pool_slots + tail_slots, D_IDS[1], [], [], []]
+        # The tail has its own slots: 0 and 1 name tail slots *and* pool blocks, and the
+        # pool blocks D planned for the tail's positions (61, 62) are not written.
+        pool_slots, tail_slots = [33, 34, 0, 60, 1], [0, 1]
+        d_ids = [[*pool_slots, 61, 62], D_IDS[1], [], [], []]
         plan = plan_group_reads(layout, layout, P_IDS, d_ids, NUM_TOKENS)
         assert plan.skipped == (2, 3, 4)
         main, indexer = plan.reads
-        routed = route_tail(main, len(tail_slots))
+        routed = route_tail(main, tail_slots)
+
         def landing(src: str, slots: list[int], blocks: list[int]) -> dict[int, tuple[str, int]]:
             return {s: (src, b) for s, b in zip(slots, blocks, strict=True)}
 
