@@ -18,12 +18,17 @@ pytest.importorskip("nixl")
 from kvhandoff.core.planning import coalesce  # noqa: E402
 from kvhandoff.transports.base import Completion, KVRegion, ReadRequest  # noqa: E402
 from kvhandoff.transports.nixl import NixlOptions, NixlTransport, TransportProcess  # noqa: E402
-from tests.transport_contract import TransportContract, TransportPair, host_regions  # noqa: E402
+from tests.transport_contract import (  # noqa: E402
+    RegionShape,
+    TransportContract,
+    TransportPair,
+    host_shaped_regions,
+)
 
 _counter = iter(range(1_000_000))
 
 
-def nixl_host_pair(num_blocks: int, block_bytes: int, n_regions: int,
+def nixl_host_pair(p_shapes: list[RegionShape], d_shapes: list[RegionShape],
                    options: NixlOptions | None = None) -> TransportPair:
     tag = f"{time.monotonic_ns() % 10**9}-{next(_counter)}"
     p = TransportProcess(f"P-{tag}", options)
@@ -32,10 +37,10 @@ def nixl_host_pair(num_blocks: int, block_bytes: int, n_regions: int,
     except BaseException:
         p.close()
         raise
-    names = [f"layer{i}.kv" for i in range(n_regions)]
-    p_rows = [p.shared_array((num_blocks, block_bytes)) for _ in names]
-    p_regions = [KVRegion(n, r, num_blocks, block_bytes) for n, r in zip(names, p_rows, strict=True)]
-    d_regions, d_rows = host_regions("d", num_blocks, block_bytes, n_regions, names)
+    p_rows = [p.shared_array((s.num_blocks, s.block_bytes)) for s in p_shapes]
+    p_regions = [KVRegion(s.name, r, s.num_blocks, s.block_bytes)
+                 for s, r in zip(p_shapes, p_rows, strict=True)]
+    d_regions, d_rows = host_shaped_regions(d_shapes)
 
     def put(rows):
         def write(i, data):
@@ -61,8 +66,8 @@ def _pump(d: NixlTransport) -> None:
 
 
 class TestNixlHostContract(TransportContract):
-    def make_pair(self, num_blocks, block_bytes, n_regions):
-        return nixl_host_pair(num_blocks, block_bytes, n_regions)
+    def make_shaped_pair(self, p_shapes, d_shapes):
+        return nixl_host_pair(p_shapes, d_shapes)
 
     def test_a_peer_that_dies_mid_read_fails_the_read_and_is_reported_lost(self, pair):
         # Over UCX's cma path a READ of host memory is copied while it is posted, so

@@ -28,14 +28,21 @@ from kvhandoff.transports.sim import (
     SimBlockPool,
     SimNetwork,
 )
-from tests.transport_contract import TransportContract, TransportPair, host_regions
+from tests.transport_contract import (
+    RegionShape,
+    TransportContract,
+    TransportPair,
+    host_regions,
+    host_shaped_regions,
+)
 
 
-def sim_pair(num_blocks: int, block_bytes: int, n_regions: int, seed: int = 0) -> TransportPair:
+def sim_pair(p_shapes: list[RegionShape], d_shapes: list[RegionShape],
+             seed: int = 0) -> TransportPair:
     net = SimNetwork(seed=seed)
     p, d = net.agent("P0"), net.agent("D0")
-    p_regions, p_rows = host_regions("p", num_blocks, block_bytes, n_regions)
-    d_regions, d_rows = host_regions("d", num_blocks, block_bytes, n_regions)
+    p_regions, p_rows = host_shaped_regions(p_shapes)
+    d_regions, d_rows = host_shaped_regions(d_shapes)
 
     def write(rows):
         def put(i, data):
@@ -57,8 +64,8 @@ def _pump(net: SimNetwork) -> None:
 
 
 class TestSimTransportContract(TransportContract):
-    def make_pair(self, num_blocks, block_bytes, n_regions):
-        return sim_pair(num_blocks, block_bytes, n_regions)
+    def make_shaped_pair(self, p_shapes, d_shapes):
+        return sim_pair(p_shapes, d_shapes)
 
 
 # --- fixtures for the sim-only tests -----------------------------------------

@@ -5,23 +5,28 @@ How to run it against a transport
 Subclass `TransportContract` in a ``tests/test_transport_*.py`` module and
 implement one hook::
 
-    from tests.transport_contract import TransportContract, TransportPair
+    from tests.transport_contract import RegionShape, TransportContract, TransportPair
 
     class TestMyTransport(TransportContract):
-        def make_pair(self, num_blocks: int, block_bytes: int, n_regions: int) -> TransportPair:
+        def make_shaped_pair(self, p_shapes: list[RegionShape],
+                             d_shapes: list[RegionShape]) -> TransportPair:
             ...
 
 pytest collects the subclass only: the base class's name does not start with
-``Test``.  Each test calls ``make_pair`` once and ``pair.close()`` at the end.
+``Test``.  Each test calls ``make_shaped_pair`` once (most through
+``make_pair``: ``n_regions`` alike) and ``pair.close()`` at the end.
 
-What ``make_pair`` returns (`TransportPair`)
---------------------------------------------
+What ``make_shaped_pair`` returns (`TransportPair`)
+---------------------------------------------------
 * ``p``, ``d``: two transports, **not yet registered and not yet peered**.
   ``p`` owns the source blocks (the prefill side); ``d`` posts the READs.
   ``p`` may be a proxy for an agent in another process, as long as it
   follows the protocol.
-* ``p_regions``, ``d_regions``: ``n_regions`` `KVRegion` each, same names
-  and ``block_bytes``, ``num_blocks`` blocks, for the test to register.
+* ``p_regions``, ``d_regions``: one `KVRegion` per shape, in order, for the
+  test to register, in the pair's memory (GPU memory for a VRAM pair);
+  a shape with ``host=True`` is host memory whatever the pair's kind (a
+  hierarchical sparse cache's pool, next to its GPU tail; on a host-memory
+  pair the two are simply two host pools).
 * ``write_p(i, rows)``, ``write_d(i, rows)``: overwrite region ``i`` on that
   side with ``rows`` (a ``(num_blocks, block_bytes)`` uint8 array);
   ``read_d(i)``: a copy of D's region ``i`` as such an array.  For host
@@ -47,7 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from kvhandoff.core.planning import BlockRun, coalesce
+from kvhandoff.core.planning import BlockRun, coalesce, plan_group_reads, route_tail
 from kvhandoff.transports.base import (
     Completion,
     KVRegion,
@@ -57,7 +62,9 @@ from kvhandoff.transports.base import (
     Transport,
     TransportError,
     UnknownPeer,
+    group_splits,
 )
+from tests.hybrid_layouts import D_IDS, EXPECTED, MAIN_KV, NUM_BLOCKS, NUM_TOKENS, P_IDS, qsa_layout
 
 SENTINEL = 0x5A  # what D's blocks hold before a READ; must survive where nothing was read
 
@@ -76,6 +83,27 @@ class TransportPair:
     close: Callable[[], None] = field(default=lambda: None)
 
 
+@dataclass(frozen=True, slots=True)
+class RegionShape:
+    """One region a test wants: ``num_blocks`` x ``block_bytes``; ``host``: never GPU memory."""
+
+    name: str
+    num_blocks: int
+    block_bytes: int
+    host: bool = False
+
+
+def uniform_shapes(num_blocks: int, block_bytes: int, n_regions: int) -> list[RegionShape]:
+    return [RegionShape(f"layer{i}.kv", num_blocks, block_bytes) for i in range(n_regions)]
+
+
+def host_shaped_regions(shapes: list[RegionShape]) -> tuple[list[KVRegion], list[np.ndarray]]:
+    """Numpy-backed regions for ``shapes`` and their ``(num_blocks, block_bytes)`` rows."""
+    rows = [np.zeros((s.num_blocks, s.block_bytes), dtype=np.uint8) for s in shapes]
+    return [KVRegion(s.name, r, s.num_blocks, s.block_bytes)
+            for s, r in zip(shapes, rows, strict=True)], rows
+
+
 def host_regions(prefix: str, num_blocks: int, block_bytes: int, n_regions: int,
                  names: list[str] | None = None) -> tuple[list[KVRegion], list[np.ndarray]]:
     """``n_regions`` numpy-backed regions and their ``(num_blocks, block_bytes)`` rows."""
@@ -91,8 +119,13 @@ class TransportContract:
     NUM_BLOCKS = 64
     BLOCK_BYTES = 256
 
-    def make_pair(self, num_blocks: int, block_bytes: int, n_regions: int) -> TransportPair:
+    def make_shaped_pair(self, p_shapes: list[RegionShape],
+                         d_shapes: list[RegionShape]) -> TransportPair:
         raise NotImplementedError
+
+    def make_pair(self, num_blocks: int, block_bytes: int, n_regions: int) -> TransportPair:
+        shapes = uniform_shapes(num_blocks, block_bytes, n_regions)
+        return self.make_shaped_pair(shapes, shapes)
 
     # -- helpers ----------------------------------------------------------
 
@@ -120,8 +153,9 @@ class TransportContract:
             rows = rng.integers(0, 256, (region.num_blocks, region.block_bytes), dtype=np.uint8)
             rows[rows == SENTINEL] = SENTINEL + 1  # so "untouched" is unambiguous
             pair.write_p(i, rows)
-            pair.write_d(i, np.full_like(rows, SENTINEL))
             source.append(rows)
+        for i, region in enumerate(pair.d_regions):
+            pair.write_d(i, np.full((region.num_blocks, region.block_bytes), SENTINEL, np.uint8))
         return source
 
     def wait(self, pair: TransportPair, done: Callable[[], bool], what: str) -> None:
@@ -130,6 +164,16 @@ class TransportContract:
                 return
             pair.pump()
         raise AssertionError(f"gave up waiting for {what} after {self.MAX_PUMPS} pumps")
+
+    def settled_completions(self, pair: TransportPair, what: str) -> list[Completion]:
+        """D's completions once the first came and 50 more pumps brought nothing else
+        (a split READ must complete once, not once per part)."""
+        done: list[Completion] = []
+        self.wait(pair, lambda: bool(done.extend(pair.d.poll()) or done), what)
+        for _ in range(50):
+            pair.pump()
+            done.extend(pair.d.poll())
+        return done
 
     def read_all(self, pair: TransportPair, peer: str, reads: list[ReadRequest],
                  notif: bytes | None = None) -> dict[int, Completion]:
@@ -225,11 +269,7 @@ class TransportContract:
         tail = ReadSplit(coalesce([10, 11], [0, 1]), ((names[0], names[1]),))  # crossed names
         pool = ReadSplit(coalesce([3, 7, 8], [20, 21, 22]), ((names[2], names[2]),))
         handle = pair.d.post_split_read(p_name, [tail, pool])
-        done: list[Completion] = []
-        self.wait(pair, lambda: bool(done.extend(pair.d.poll()) or done), "the split READ")
-        for _ in range(50):
-            pair.pump()
-            done.extend(pair.d.poll())
+        done = self.settled_completions(pair, "the split READ")
         assert [(c.handle, c.ok) for c in done] == [(handle, True)], done
         assert np.array_equal(pair.read_d(1)[0:2], source[0][10:12])
         assert np.array_equal(pair.read_d(2)[20:23], source[2][[3, 7, 8]])
@@ -307,3 +347,99 @@ class TransportContract:
         for _ in range(20):
             pair.pump()
             assert pair.d.poll() == []  # the failure is reported once
+
+    # -- hybrid models: several cache owners, one request -----------------------
+
+    def _hybrid_pair(self, d_shapes: list[RegionShape] | None = None) -> TransportPair:
+        layout = qsa_layout()
+        p_shapes = [RegionShape(r.name, NUM_BLOCKS, r.block_bytes) for r in layout.regions()]
+        return self.make_shaped_pair(p_shapes, d_shapes or p_shapes)
+
+    def _post_and_check(self, pair: TransportPair, splits: list[ReadSplit],
+                        expect: dict[str, dict[int, tuple[str, int]]], nbytes: int) -> None:
+        """One split READ with a notification: one completion, every byte where expected.
+
+        ``expect[d region][local block] = (p region, remote block)``; every other
+        block of every D region must still hold the sentinel, and the bytes that
+        changed must add up to ``nbytes``, what the plan said it would read.
+        """
+        p_name, d_name = self.connect(pair)
+        source = self.fill(pair)
+        p_index = {r.name: i for i, r in enumerate(pair.p_regions)}
+
+        def check_d() -> None:
+            changed = 0
+            for i, region in enumerate(pair.d_regions):
+                got, want = pair.read_d(i), expect.get(region.name, {})
+                for local, (remote_region, remote) in want.items():
+                    assert np.array_equal(got[local], source[p_index[remote_region]][remote]), \
+                        f"{region.name}[{local}] is not {remote_region}[{remote}]"
+                others = np.setdiff1d(np.arange(region.num_blocks), list(want))
+                assert (got[others] == SENTINEL).all(), f"{region.name}: a block nobody read changed"
+                changed += len(want) * region.block_bytes
+            assert changed == nbytes
+
+        handle = pair.d.post_split_read(p_name, splits, b"release:hybrid")
+        heard: list = []
+
+        def delivered() -> bool:
+            got = pair.p.recv_notifs()
+            if got:
+                check_d()  # P hears of the READ only once every group's bytes landed
+                heard.extend(got)
+            return bool(heard)
+
+        self.wait(pair, delivered, "the hybrid READ's notification at P")
+        assert [(n.peer, n.message) for n in heard] == [(d_name, b"release:hybrid")]
+        done = self.settled_completions(pair, "the completion")
+        assert [(c.handle, c.ok) for c in done] == [(handle, True)], done
+        check_d()
+
+    def test_a_multi_owner_request_is_one_completion_of_every_groups_split(self):
+        """Main KV + indexer + GDN state + PLE + a sliding window sharing the main KV's regions."""
+        layout = qsa_layout()
+        plan = plan_group_reads(layout, layout, P_IDS, D_IDS, NUM_TOKENS)
+        assert plan.keys == tuple((0, g) for g in range(5))
+        expect: dict[str, dict[int, tuple[str, int]]] = {}
+        for g, (remote, local) in EXPECTED.items():  # written out in hybrid_layouts, not planned
+            for region in layout.groups[g].regions:
+                for r, loc in zip(remote, local, strict=True):
+                    expect.setdefault(region.name, {})[loc] = (region.name, r)
+        splits = group_splits(plan.reads)
+        pair = self._hybrid_pair()
+        try:
+            self._post_and_check(pair, splits, expect, plan.nbytes)
+        finally:
+            pair.close()
+
+    def test_a_hisparse_import_lands_history_in_a_host_pool_and_the_tail_beside_it(self):
+        """History into a host pool, the writable tail (and the indexer) into the pair's
+        memory, GPU memory on a VRAM pair: one completion."""
+        layout = qsa_layout()
+        d_shapes = ([RegionShape(f"{r.name}@pool", NUM_BLOCKS, r.block_bytes, host=True)
+                     for r in MAIN_KV]
+                    + [RegionShape(f"{r.name}@tail", 8, r.block_bytes) for r in MAIN_KV]
+                    + [RegionShape("indexer.0", NUM_BLOCKS, 128)])
+        # The tail has its own slots: 0 and 1 name tail slots *and* pool blocks, and the
+        # pool blocks D planned for the tail's positions (61, 62) are not written.
+        pool_slots, tail_slots = [33, 34, 0, 60, 1], [0, 1]
+        d_ids = [[*pool_slots, 61, 62], D_IDS[1], [], [], []]
+        plan = plan_group_reads(layout, layout, P_IDS, d_ids, NUM_TOKENS)
+        assert plan.skipped == (2, 3, 4)
+        main, indexer = plan.reads
+        routed = route_tail(main, tail_slots)
+
+        def landing(src: str, slots: list[int], blocks: list[int]) -> dict[int, tuple[str, int]]:
+            return {s: (src, b) for s, b in zip(slots, blocks, strict=True)}
+
+        expect = {"indexer.0": landing("indexer.0", D_IDS[1], P_IDS[1])}
+        for r in MAIN_KV:
+            expect[f"{r.name}@pool"] = landing(r.name, pool_slots, P_IDS[0][:5])
+            expect[f"{r.name}@tail"] = landing(r.name, tail_slots, P_IDS[0][5:])
+        splits = group_splits([routed, indexer])
+        assert len(splits) == 3
+        pair = self._hybrid_pair(d_shapes)
+        try:
+            self._post_and_check(pair, splits, expect, plan.nbytes)
+        finally:
+            pair.close()

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
-from kvhandoff.core.planning import BlockRun  # runs are planned by the core
+from kvhandoff.core.planning import BlockRun, GroupRead  # reads are planned by the core
 
 
 class MemoryKind(StrEnum):
@@ -106,6 +106,11 @@ class ReadSplit:
 
     runs: Any
     regions: tuple[tuple[str, str], ...]
+
+
+def group_splits(reads: Sequence[GroupRead]) -> list[ReadSplit]:
+    """The `ReadSplit`\\ s that post planned group reads (`core.planning.GroupRead`), in order."""
+    return [ReadSplit(part.runs, part.regions) for read in reads for part in read.parts]
 
 
 @dataclass(frozen=True, slots=True)

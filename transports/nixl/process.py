@@ -284,12 +284,17 @@ class _Child:
             torch.cuda.synchronize(device)
         else:
             buf = pattern(seed, nbytes).copy()
-        self.buffers["payload"] = buf
+        # Each allocation stays alive (and registered) until close: keep every one.
+        self.buffers["payload" if "payload" not in self.buffers else f"payload{len(self.buffers)}"] = buf
         regions = [KVRegion(v.name, buf[v.offset:v.offset + v.num_blocks * v.block_bytes],
                             v.num_blocks, v.block_bytes, kind, device) for v in views]
         t0 = time.perf_counter()
         self.transport.register(regions)
         return (time.perf_counter() - t0) * 1e3
+
+    def registrations(self) -> list[tuple[str, int, tuple[str, ...]]]:
+        """(memory kind, bytes, regions covered) of each NIXL registration made here."""
+        return [(r.kind.value, r.nbytes, r.regions) for r in self.transport.registrations]
 
     def write(self, name: str, rows: np.ndarray) -> None:
         """Overwrite region ``name`` (allocated here, any kind) with host ``rows``."""
