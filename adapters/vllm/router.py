@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -43,8 +44,14 @@ async def _until_disconnected(request: Request, work: asyncio.Task) -> Any:
 
 
 def build_app(prefill_url: str, decode_url: str, timeout_s: float = 300.0) -> FastAPI:
-    app = FastAPI(title="kvhandoff example router")
     client = httpx.AsyncClient(timeout=timeout_s)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await client.aclose()
+
+    app = FastAPI(title="kvhandoff example router", lifespan=lifespan)
 
     async def handle(path: str, request: Request) -> Response:
         body = await request.json()
@@ -91,10 +98,6 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 300.0) -> Fa
     @app.get("/health")
     async def health() -> Response:
         return JSONResponse({"prefill": prefill_url, "decode": decode_url})
-
-    @app.on_event("shutdown")
-    async def close() -> None:
-        await client.aclose()
 
     return app
 
