@@ -319,9 +319,12 @@ def _acknowledge(ss, rec: ConsumerRecord, ev) -> ConsumerRecord | None:
         bound = ev.sent_at + max(min(ev.time_left, rec.lease_s) - rec.margin, 0.0)
         if bound > rec.safe_until.get(ev.p_rank, -math.inf):
             rec.safe_until[ev.p_rank] = bound
-    elif ev.time_left == 0:  # released on its consumers' notifications: every read finished
-        rec.safe_until[ev.p_rank] = math.inf
     elif ev.p_rank not in rec.gone:
+        # "Released" (0) is no proof either: D sends its own release only after
+        # its reads drained (release_sent follows finished_recving), so while
+        # this record can still be answered P was released by a release that
+        # did not follow these reads (a stale or early one, another reader)
+        # and may have freed the source under them.
         rec.gone = (*rec.gone, ev.p_rank)
     return rec
 

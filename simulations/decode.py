@@ -76,21 +76,6 @@ def _stale(rec: ConsumerRecord, before: float) -> bool:
     return len(proofs) < len(rec.remote_ranks) or min(proofs.values()) < before
 
 
-def _rank_owed(rec: ConsumerRecord, rank: int) -> bool:
-    """Whether P rank ``rank`` still needs heartbeats for this request.
-
-    Until the READs are posted, every rank does; afterwards a rank does while
-    its split is in flight, failed (its blocks wait for our explicit release)
-    or completed later than P's proof of the lease reaches.
-    """
-    if not rec.split_ranks:
-        return True
-    for r, done in zip(rec.split_ranks, rec.split_done, strict=True):
-        if r == rank and (done is None or done == "" or done > rec.safe_until.get(r, -1.0)):
-            return True
-    return False
-
-
 class DecodeEngine:
     def __init__(self, name: str, cfg: RunConfig, net: SimNetwork, rng: random.Random,
                  sink: Callable, policy: DecodePolicy, p_name: str, p_num_blocks: int,
@@ -125,6 +110,9 @@ class DecodeEngine:
         self.urgent: dict[str, None] = {}  # heartbeat at the end of this step
         self.tokens: dict[str, str] = {}  # each request's release token, from its params
         self.next_heartbeat = 0.0
+        # When a heartbeat naming each (request, P rank) last left, whatever became
+        # of it: what the measured heartbeat check (World.check_heartbeats) reads.
+        self.last_beat: dict[tuple[str, int], float] = {}
         self.served = self.served_corrupt = self.malformed = 0
         self.loop = EngineLoop(self.clock, rng, self._step, cfg.d_step_s, cfg.step_jitter,
                                cfg.stall, cfg.stall_s)
@@ -251,8 +239,10 @@ class DecodeEngine:
             self.reading[rid] = imp
             read = ReadRequest(runs=coalesce(imp.remote_ids, local))
             params_token = imp.params.token
+            carry = self.policy.release_with_reads
             for rank, agent in enumerate(self.agents):
-                release = encode(Release(rid, self.name, rank, params_token))
+                # kvhandoff releases after finished_recving; vLLM's READ carries it.
+                release = encode(Release(rid, self.name, rank, params_token)) if carry else None
                 try:
                     handle = agent.post_read(self.peers[rank], read, release)
                 except TransportError as e:
@@ -275,7 +265,7 @@ class DecodeEngine:
             if imp.drained_at is None:
                 imp.drained_at = now
             verdict = read_verdict_of(rec)
-            if verdict is Verdict.PENDING and not rec.cancelled:
+            if verdict is Verdict.PENDING and not rec.cancelled and self.policy.acknowledges:
                 # (A cancelled request's bytes go nowhere: no proof needed, its
                 # pages are released as soon as the reads drained.)
                 peer_gone = any(self.p_peers[r] in lost for r in rec.split_ranks)
@@ -300,13 +290,15 @@ class DecodeEngine:
         record(FinishedRecving, rid, now)
         req = imp.req
         serve = False
-        if rec.state is DState.RECEIVED:
-            record(ReleaseSent, rid, now, notify_only=False)  # the READs carried it
+        received = rec.state is DState.RECEIVED
+        record(ReleaseSent, rid, now, notify_only=not received)
+        if not self.policy.release_with_reads:
+            self._release(rid, range(len(self.agents)))  # every read drained: P may free
+        else:  # vLLM: the READs carried it, but failed splits never delivered theirs
+            self._release(rid, imp.splits_failed)
+        if received:
             serve = not rec.cancelled
         else:
-            record(ReleaseSent, rid, now, notify_only=True)
-            # Splits that failed never delivered their release: tell those P ranks.
-            self._release(rid, imp.splits_failed)
             serve = (self.policy.serve_unconfirmed and not rec.cancelled
                      and not imp.splits_failed)
         if serve:
@@ -349,14 +341,15 @@ class DecodeEngine:
             return
         for rid in due:
             self.ledger.record(HeartbeatSent, rid, now)
-        requests = self.state.stream(self.stream).requests
+        # Every P rank holds the request until D's release after finished_recving,
+        # even one whose READ already completed under proof: heartbeat them all.
+        ids = tuple(due)
+        tokens = tuple(self.tokens.get(rid, "") for rid in ids)
         for p_rank, peer in enumerate(self.p_peers):
-            # A P rank whose READs already completed under proof needs no more.
-            ids = tuple(rid for rid in due if _rank_owed(requests[rid], p_rank))
-            if ids:
-                tokens = tuple(self.tokens.get(rid, "") for rid in ids)
-                d = p_rank * self.k  # the first D rank reading that P rank speaks for all
-                self.agents[d].send_notif(peer, encode(Heartbeat(self.name, d, now, ids, tokens)))
+            d = p_rank * self.k  # the first D rank reading that P rank speaks for all
+            self.agents[d].send_notif(peer, encode(Heartbeat(self.name, d, now, ids, tokens)))
+            for rid in ids:
+                self.last_beat[(rid, p_rank)] = now
         # Whatever made us send, these requests are due again at the next period.
         # (Arming only after periodic rounds lost the period of a request whose
         # first heartbeat was its admission one: found by Hypothesis.)

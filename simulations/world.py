@@ -77,7 +77,7 @@ class World:
         self.p_lines: list[bytes] = []
         self.d_lines: list[bytes] = []
         self.p = PrefillEngine("prefill-0", cfg, self.net, random.Random(sub_seed(cfg.seed, "P")),
-                               self._p_sink, self._exported, self.policy.mint_tokens)
+                               self._p_sink, self._exported, self.policy)
         self.d = DecodeEngine("decode-0", cfg, self.net, random.Random(sub_seed(cfg.seed, "D")),
                               self._d_sink, self.policy, self.p.name, cfg.p_blocks,
                               self._phase, self._done)
@@ -107,6 +107,7 @@ class World:
             p_agent = self.p.agents[d // k]
             d_agent.add_peer(p_agent.metadata())
             p_agent.add_peer(d_agent.metadata())
+            self.p.add_consumer(d_agent.name, self.d.name, d)
         self.stray = None
         if self.cfg.wrong_peer_releases:
             # A decode engine that is not the request's consumer (restarted with
@@ -116,6 +117,7 @@ class World:
             for p_agent in self.p.agents:
                 self.stray.add_peer(p_agent.metadata())
                 p_agent.add_peer(self.stray.metadata())
+            self.p.add_consumer(self.stray.name, "decode-stray", 0)
 
     def _plan(self) -> None:
         cfg, rng, clock = self.cfg, self.rng, self.clock

@@ -143,11 +143,13 @@ def test_verdict_unsafe_when_p_says_gone_after_an_unproven_completion():
     assert ledger.state.record(D0, RID).state is DState.FAILED
 
 
-def test_released_answer_confirms_every_read():
-    ledger = _reading((1.0, 0.9, 0.0))
-    ledger.record(SplitCompleted, RID, 50.0, split=0)
-    ledger.record(SplitCompleted, RID, 60.0, split=1)
-    assert policy.read_verdict(ledger.state, D0, RID) is Verdict.CONFIRMED
+def test_a_released_answer_while_d_still_reads_proves_nothing():
+    # D releases only after its reads drained: "released" heard while it still
+    # reads means a stale or early release freed P, maybe under these reads.
+    ledger = _reading((1.0, 0.9, 5.0), (2.0, 1.9, 0.0))  # proven until 5.4, then "released"
+    ledger.record(SplitCompleted, RID, 5.0, split=0)
+    ledger.record(SplitCompleted, RID, 6.0, split=1)
+    assert policy.read_verdict(ledger.state, D0, RID) is Verdict.UNSAFE
 
 
 def test_failed_split_still_waits_for_the_others_to_drain():
