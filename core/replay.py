@@ -23,7 +23,9 @@ Invariants checked (ARCHITECTURE.md):
   acknowledgement in its log proves that P held the source when a read
   completed: an answer ``time_left > 0`` to a heartbeat D had sent at
   ``sent_at`` proves the lease until ``sent_at + max(min(time_left, lease)
-  − margin, 0)``.  Checked from the log's events, not from the fold's verdict.
+  − margin, 0)``; after an answer ``<= 0`` (P let go) only the latest
+  ``sent_at`` P answered alive stays proven.  Checked from the log's events,
+  not from the fold's verdict.
 * ``leak`` — an exported request that P still held one lease after its
   deadline, at the end of P's log.
 
@@ -81,6 +83,7 @@ class Replay:
     # What P's acknowledgements prove, per (D stream, request, P rank): the
     # latest time P provably held the source, derived here from the events.
     proven_until: dict = field(default_factory=dict)
+    held_at: dict = field(default_factory=dict)  # same key: (P held when it read, P let go)
 
     def missing_producers(self) -> list[str]:
         """P engines named by D's requests whose log is not among the replayed ones."""
@@ -196,10 +199,18 @@ def _reads_in_flight(state: LifecycleState, freed: Event) -> int:
 
 
 def _note_proof(result: Replay, event: LeaseAcknowledged, rec: ConsumerRecord) -> None:
-    if event.time_left > 0 and event.sent_at <= rec.last_heartbeat:
-        key = (event.stream, event.request_id, event.p_rank)
-        until = event.sent_at + max(min(event.time_left, rec.lease_s) - rec.margin, 0.0)
+    if event.sent_at > rec.last_heartbeat:
+        return  # echoes no heartbeat D sent: proves nothing
+    key = (event.stream, event.request_id, event.p_rank)
+    held, let_go = result.held_at.get(key, (-math.inf, False))
+    if event.time_left > 0:
+        until = event.sent_at if let_go else (
+            event.sent_at + max(min(event.time_left, rec.lease_s) - rec.margin, 0.0))
+        result.held_at[key] = (max(held, event.sent_at), let_go)
         result.proven_until[key] = max(result.proven_until.get(key, -math.inf), until)
+    else:  # P let go at some time after it last held: nothing later is proven
+        result.held_at[key] = (held, True)
+        result.proven_until[key] = min(result.proven_until.get(key, -math.inf), held)
 
 
 def _check_consumer(result: Replay, freed_at: dict, event: Event, rec: ConsumerRecord) -> None:

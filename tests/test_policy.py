@@ -152,6 +152,20 @@ def test_a_released_answer_while_d_still_reads_proves_nothing():
     assert policy.read_verdict(ledger.state, D0, RID) is Verdict.UNSAFE
 
 
+def test_once_p_let_go_only_what_it_held_when_it_read_a_heartbeat_stays_proven():
+    # The lease bound assumes nothing but D's own post-drain release ends the
+    # lease early; a "released" or "gone" answer says something else did.
+    ledger = _reading((1.0, 0.9, 5.0), (2.0, 1.9, 5.0))  # held at 1.9, lease proven to 6.4
+    ledger.record(SplitCompleted, RID, 1.5, split=0)
+    _ack(ledger, 3.1, 3.0, 0.0)
+    ledger.record(SplitCompleted, RID, 2.5, split=1)
+    assert policy.read_verdict(ledger.state, D0, RID) is Verdict.UNSAFE
+    assert ledger.state.record(D0, RID).safe_until == {0: 1.9}
+    _ack(ledger, 3.3, 3.2, 4.0)  # any answer after P let go proves only its sent_at
+    assert ledger.state.record(D0, RID).safe_until == {0: 3.2}
+    assert policy.read_verdict(ledger.state, D0, RID) is Verdict.CONFIRMED
+
+
 def test_failed_split_still_waits_for_the_others_to_drain():
     ledger = _reading((1.0, 0.9, 5.0))
     ledger.record(SplitFailed, RID, 1.5, split=0, reason="remote disconnect")
