@@ -70,6 +70,47 @@ class Violation:
         return {"invariant": self.invariant, "event": self.event, "detail": self.detail}
 
 
+class ProofLedger:
+    """What P's acknowledgements prove, kept apart from the fold's verdict.
+
+    ``note`` takes each acknowledgement D folded; ``proven_until`` is the
+    latest time (D's clock) at which P provably held the source of one P
+    rank's reads: an answer ``time_left > 0`` to a heartbeat sent at
+    ``sent_at`` proves ``sent_at + max(min(time_left, lease) − margin, 0)``;
+    once the rank answered ``<= 0`` (P let go) only the latest ``sent_at`` it
+    answered alive stays proven.  Replay and the simulator both check what D
+    served against it, so a wrong verdict in the core cannot vouch for itself.
+    """
+
+    __slots__ = ("_until", "_held")
+
+    def __init__(self) -> None:
+        self._until: dict = {}
+        self._held: dict = {}  # key -> (latest sent_at answered alive, P let go)
+
+    def note(self, key, sent_at: float, time_left: float, lease_s: float, margin_s: float) -> None:
+        held, let_go = self._held.get(key, (-math.inf, False))
+        if time_left > 0:
+            until = sent_at if let_go else sent_at + max(min(time_left, lease_s) - margin_s, 0.0)
+            self._held[key] = (max(held, sent_at), let_go)
+            self._until[key] = max(self._until.get(key, -math.inf), until)
+        else:
+            self._held[key] = (held, True)
+            self._until[key] = min(self._until.get(key, -math.inf), held)
+
+    def proven_until(self, key) -> float:
+        return self._until.get(key, -math.inf)
+
+    def unproven(self, key_of_rank, rec: ConsumerRecord) -> list[tuple[int, float, float]]:
+        """(P rank, completion, proven until) of each completed split the proofs do not cover."""
+        out = []
+        for rank, done in zip(rec.split_ranks, rec.split_done, strict=True):
+            proven = self.proven_until(key_of_rank(rank))
+            if not isinstance(done, float) or done > proven:
+                out.append((rank, done, proven))
+        return out
+
+
 @dataclass
 class Replay:
     state: LifecycleState
@@ -80,10 +121,8 @@ class Replay:
     # Last gap reported per (D stream, request): kept here, not in the folded
     # record, so the state (and its hash) stays exactly the fold of the log.
     gap_reported_at: dict = field(default_factory=dict)
-    # What P's acknowledgements prove, per (D stream, request, P rank): the
-    # latest time P provably held the source, derived here from the events.
-    proven_until: dict = field(default_factory=dict)
-    held_at: dict = field(default_factory=dict)  # same key: (P held when it read, P let go)
+    # What P's acknowledgements prove, derived here from the events.
+    proofs: ProofLedger = field(default_factory=lambda: ProofLedger())
 
     def missing_producers(self) -> list[str]:
         """P engines named by D's requests whose log is not among the replayed ones."""
@@ -198,24 +237,11 @@ def _reads_in_flight(state: LifecycleState, freed: Event) -> int:
     return count
 
 
-def _note_proof(result: Replay, event: LeaseAcknowledged, rec: ConsumerRecord) -> None:
-    if event.sent_at > rec.last_heartbeat:
-        return  # echoes no heartbeat D sent: proves nothing
-    key = (event.stream, event.request_id, event.p_rank)
-    held, let_go = result.held_at.get(key, (-math.inf, False))
-    if event.time_left > 0:
-        until = event.sent_at if let_go else (
-            event.sent_at + max(min(event.time_left, rec.lease_s) - rec.margin, 0.0))
-        result.held_at[key] = (max(held, event.sent_at), let_go)
-        result.proven_until[key] = max(result.proven_until.get(key, -math.inf), until)
-    else:  # P let go at some time after it last held: nothing later is proven
-        result.held_at[key] = (held, True)
-        result.proven_until[key] = min(result.proven_until.get(key, -math.inf), held)
-
-
 def _check_consumer(result: Replay, freed_at: dict, event: Event, rec: ConsumerRecord) -> None:
-    if isinstance(event, LeaseAcknowledged):
-        _note_proof(result, event, rec)
+    if isinstance(event, LeaseAcknowledged) and event.sent_at <= rec.last_heartbeat:
+        # (an answer that echoes no heartbeat D sent proves nothing)
+        result.proofs.note((event.stream, event.request_id, event.p_rank), event.sent_at,
+                           event.time_left, rec.lease_s, rec.margin)
     if rec.state in HEARTBEAT_STATES or event.kind == "finished_recving":
         key = (event.stream, event.request_id)
         gap = event.t - max(rec.last_heartbeat, result.gap_reported_at.get(key, -math.inf))
@@ -232,12 +258,12 @@ def _check_consumer(result: Replay, freed_at: dict, event: Event, rec: ConsumerR
                     "served_freed", describe(event),
                     f"read from {rec.remote_engine} rank {rank} completed at t={done} "
                     f"after P freed the source at t={t_free}"))
-            proven = result.proven_until.get((event.stream, event.request_id, rank), -math.inf)
-            if isinstance(done, float) and done > proven:
-                result.violations.append(Violation(
-                    "served_unproven", describe(event),
-                    f"read from {rec.remote_engine} rank {rank} completed at t={done}; "
-                    f"P's acknowledgements prove the source held until t={proven}"))
+        for rank, done, proven in result.proofs.unproven(
+                lambda r: (event.stream, event.request_id, r), rec):
+            result.violations.append(Violation(
+                "served_unproven", describe(event),
+                f"read from {rec.remote_engine} rank {rank} completed at t={done}; "
+                f"P's acknowledgements prove the source held until t={proven}"))
 
 
 def _check_leaks(result: Replay, last_t: dict) -> None:

@@ -48,6 +48,7 @@ from kvhandoff.core.lifecycle import (
 from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Release, decode, encode
 from kvhandoff.core.planning import coalesce, validate_block_ids
 from kvhandoff.core.policy import heartbeat_due
+from kvhandoff.core.replay import ProofLedger
 from kvhandoff.simulations import kv
 from kvhandoff.simulations.config import RunConfig
 from kvhandoff.simulations.loop import EngineLoop
@@ -113,7 +114,9 @@ class DecodeEngine:
         # When a heartbeat naming each (request, P rank) last left, whatever became
         # of it: what the measured heartbeat check (World.check_heartbeats) reads.
         self.last_beat: dict[tuple[str, int], float] = {}
-        self.served = self.served_corrupt = self.malformed = 0
+        self.served = self.served_corrupt = self.served_unproven = self.malformed = 0
+        # What P's answers prove, apart from the core's verdict (the effect check).
+        self.proofs = ProofLedger()
         self.loop = EngineLoop(self.clock, rng, self._step, cfg.d_step_s, cfg.step_jitter,
                                cfg.stall, cfg.stall_s)
 
@@ -171,6 +174,9 @@ class DecodeEngine:
         for rid, left in msg.time_left.items():
             self.ledger.record(LeaseAcknowledged, rid, now, p_rank=msg.rank,
                                sent_at=msg.sent_at, time_left=left)
+            rec = self.state.record(self.stream, rid)
+            if rec is not None and msg.sent_at <= rec.last_heartbeat:
+                self.proofs.note((rid, msg.rank), msg.sent_at, left, rec.lease_s, rec.margin)
 
     def _release(self, rid: str, ranks) -> None:
         token = self.tokens.get(rid, "")
@@ -305,6 +311,8 @@ class DecodeEngine:
             self.served += 1
             if not self._bytes_match(imp):
                 self.served_corrupt += 1
+            if self.proofs.unproven(lambda r: (rid, r), rec):
+                self.served_unproven += 1
         outcome = "served" if serve else ("cancelled" if rec.cancelled else "failed")
         for rank in range(len(self.agents)):
             self.pool.free(imp.local_ids, rank)
