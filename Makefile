@@ -10,7 +10,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean mutants
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,10 @@ demo: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+
+# Mutation testing of the safety rules (tests/mutants.py; results in docs/testing.md).
+mutants: setup
+	$(BIN)/python tests/mutants.py
 
 lint: setup
 	$(BIN)/ruff check .
