@@ -10,7 +10,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint clean mutants
+.PHONY: setup demo test lint clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -31,6 +31,7 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 # Mutation testing of the safety rules (tests/mutants.py; results in docs/testing.md).
+.PHONY: mutants
 mutants: setup
 	$(BIN)/python tests/mutants.py
 
