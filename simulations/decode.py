@@ -202,6 +202,11 @@ class DecodeEngine:
     def _admit(self, req: SimRequest, params: TransferParams, now: float) -> None:
         cfg = self.cfg
         rid = params.request_id
+        if self.state.record(self.stream, rid) is not None:
+            # The same parameters again (a client retry): P's blocks were, or are
+            # being, released on the first admission's account; never read them twice.
+            self.on_done(req, "failed")
+            return
         self.tokens[rid] = params.token
         self.ledger.record(Admitted, rid, now, remote_engine=params.remote_engine,
                            remote_ranks=tuple(range(cfg.tp)), num_blocks=params.num_blocks,

@@ -24,7 +24,7 @@ import numpy as np
 
 from kvhandoff.core.lifecycle import PState
 from kvhandoff.core.log import encode_event
-from kvhandoff.core.messages import Release, encode
+from kvhandoff.core.messages import Heartbeat, Release, encode
 from kvhandoff.simulations.config import RunConfig
 from kvhandoff.simulations.decode import DecodeEngine
 from kvhandoff.simulations.policies import POLICY_BY_NAME
@@ -81,9 +81,19 @@ class World:
         self.d = DecodeEngine("decode-0", cfg, self.net, random.Random(sub_seed(cfg.seed, "D")),
                               self._d_sink, self.policy, self.p.name, cfg.p_blocks,
                               self._phase, self._done)
+        # A second decode engine, only for clients that retry finished requests
+        # there with the same transfer parameters (a second reader of them).
+        self.d2 = DecodeEngine("decode-1", cfg, self.net,
+                               random.Random(sub_seed(cfg.seed, "D1")), self._d_sink,
+                               self.policy, self.p.name, cfg.p_blocks,
+                               lambda req, phase: None, self._retry_done) if cfg.retries else None
+        self.decoders = [self.d] if self.d2 is None else [self.d, self.d2]
+        self.params: dict[str, TransferParams] = {}
+        self.retry_outcomes: Counter[str] = Counter()
         self._handshake()
         owners = {a.name: self.p.loop for a in self.p.agents}
-        owners.update({a.name: self.d.loop for a in self.d.agents})
+        for d in self.decoders:
+            owners.update({a.name: d.loop for a in d.agents})
         self.net.on_deliver = lambda name: (loop := owners.get(name)) and loop.wake()
         self.requests: list[SimRequest] = []
         self.outcomes: Counter[str] = Counter()  # how client requests ended
@@ -103,13 +113,14 @@ class World:
         # Rank-local: D rank d talks only to the P rank it reads (metadata over a
         # side channel); with equal TP that is P rank d.
         k = self.cfg.heads_per_p_rank
-        for d, d_agent in enumerate(self.d.agents):
-            p_agent = self.p.agents[d // k]
-            d_agent.add_peer(p_agent.metadata())
-            p_agent.add_peer(d_agent.metadata())
-            self.p.add_consumer(d_agent.name, self.d.name, d)
+        for engine in self.decoders:
+            for d, d_agent in enumerate(engine.agents):
+                p_agent = self.p.agents[d // k]
+                d_agent.add_peer(p_agent.metadata())
+                p_agent.add_peer(d_agent.metadata())
+                self.p.add_consumer(d_agent.name, engine.name, d)
         self.stray = None
-        if self.cfg.wrong_peer_releases:
+        if self.cfg.wrong_peer_releases or self.cfg.impersonation:
             # A decode engine that is not the request's consumer (restarted with
             # stale state, or misrouted) and sends releases P must not honour.
             self.stray = self.net.agent("decode-stray.r0")
@@ -197,6 +208,7 @@ class World:
         if self.d.loop.dead:
             self._done(req, "failed")
             return
+        self.params[req.rid] = params
         self.d.submit(req, params)
 
     def _corrupt(self, params: TransferParams) -> TransferParams:
@@ -224,7 +236,23 @@ class World:
         for rank, p_agent in enumerate(self.p.agents):
             self.stray.send_notif(p_agent.name, encode(Release(rid, "decode-stray", rank)))
 
+    def _impersonate(self, rid: str) -> None:
+        """An impostor copies the consumer's name, D ranks and token (the params leaked)."""
+        if self.p.loop.dead or self.stray is None:
+            return
+        token = self.d.tokens.get(rid, "")
+        k = self.cfg.heads_per_p_rank
+        for rank, p_agent in enumerate(self.p.agents):
+            for d in range(rank * k, (rank + 1) * k):
+                self.stray.send_notif(p_agent.name, encode(Release(rid, self.d.name, d, token)))
+            self.stray.send_notif(p_agent.name, encode(Heartbeat(
+                self.d.name, rank * k, self.clock.now, (rid,), (token,))))
+
     def _phase(self, req: SimRequest, phase: str) -> None:
+        if (phase == "admitted" and self.cfg.impersonation
+                and self.rng.random() < self.cfg.impersonation):
+            self.clock.call_at(self.clock.now + self.rng.uniform(0.005, 1.0), self._impersonate,
+                               req.rid)
         self._maybe_cancel(req, phase)
 
     def _done(self, req: SimRequest, outcome: str) -> None:
@@ -233,7 +261,20 @@ class World:
         req.outcome = outcome
         req.stage = "done"
         self.outcomes[outcome] += 1
+        if (self.d2 is not None and outcome in ("served", "failed") and req.rid in self.params
+                and self.rng.random() < self.cfg.retries):
+            self.clock.call_at(self.clock.now + self.rng.uniform(0.01, 0.5 * self.cfg.lease_s),
+                               self._retry, req)
         self._maybe_cancel(req, "finished")
+
+    def _retry(self, req: SimRequest) -> None:
+        """The client sends the same transfer parameters again, to the second D engine."""
+        if self.d2 is not None and not self.d2.loop.dead:
+            again = SimRequest(req.rid, req.serial, req.num_blocks, self.clock.now)
+            self.d2.submit(again, self.params[req.rid])
+
+    def _retry_done(self, req: SimRequest, outcome: str) -> None:
+        self.retry_outcomes[outcome] += 1
 
     # -- crashes --------------------------------------------------------------------
 
@@ -268,19 +309,23 @@ class World:
         return self.result()
 
     def result(self) -> RunResult:
-        cfg, p, d, net = self.cfg, self.p, self.d, self.net
+        cfg, p, net, decoders = self.cfg, self.p, self.net, self.decoders
         counts = self.outcomes
         stuck = sum(1 for r in self.requests if not r.outcome)
         leaks = 0
         if not p.loop.dead:
             stuck += len(p.unfinished())
             leaks += p.pool.used_blocks
-        if not d.loop.dead:
-            stuck += len(d.unfinished())
-            leaks += d.pool.used_blocks
-        ignored = p.malformed + d.malformed
+        for d in decoders:
+            if not d.loop.dead:
+                stuck += len(d.unfinished())
+                leaks += d.pool.used_blocks
+        ignored = p.malformed + sum(d.malformed for d in decoders)
         expiries = 0
-        for ss in (*p.state.streams.values(), *d.state.streams.values()):
+        streams = [*p.state.streams.values()]
+        for d in decoders:
+            streams.extend(d.state.streams.values())
+        for ss in streams:
             ignored += sum(ss.ignored.values())
             expiries += sum(1 for rec in ss.requests.values()
                             if getattr(rec, "ended", "") == "expired")
@@ -291,8 +336,8 @@ class World:
             "rejected": counts.get("rejected", 0),
             "cancelled": counts.get("cancelled", 0) + counts.get("orphaned", 0),
             "freed_under_read": net.stats.freed_under_read,
-            "served_corrupt": d.served_corrupt,
-            "served_unproven": d.served_unproven,
+            "served_corrupt": sum(d.served_corrupt for d in decoders),
+            "served_unproven": sum(d.served_unproven for d in decoders),
             "double_frees": net.stats.double_frees,
             "leaks": leaks,
             "stuck": stuck,
@@ -329,25 +374,26 @@ class World:
         its request to the P rank it reads must stay under the lease — whatever
         state the fold is in (measured on what D sent, not on its states).
         """
-        d = self.d
-        if d.loop.dead:
-            return
         now, lease = self.clock.now, self.cfg.lease_s
-        for (rank, _), (rid, _) in d.handles.items():
-            p_rank = rank // d.k
-            last = d.last_beat.get((rid, p_rank))
-            assert last is not None and now - last < lease, (
-                f"{rid}: READ from P rank {p_rank} in flight, no heartbeat sent to it for "
-                f"{now - (last if last is not None else 0.0):.3f}s (lease {lease}s)")
+        for d in self.decoders:
+            if d.loop.dead:
+                continue
+            for (rank, _), (rid, _) in d.handles.items():
+                p_rank = rank // d.k
+                last = d.last_beat.get((rid, p_rank))
+                assert last is not None and now - last < lease, (
+                    f"{d.name} {rid}: READ from P rank {p_rank} in flight, no heartbeat sent "
+                    f"to it for {now - (last if last is not None else 0.0):.3f}s (lease {lease}s)")
 
     def check_safety(self) -> None:
         """Raise AssertionError naming the first broken invariant (see docs/simulation.md)."""
-        cfg, p, d, net = self.cfg, self.p, self.d, self.net
+        cfg, p, net = self.cfg, self.p, self.net
         assert net.stats.double_frees == 0, "a block was freed twice"
         assert net.stats.overwritten_under_read == 0, "D reused pages a READ was writing"
         if cfg.policy == "kvhandoff":
-            assert d.served_corrupt == 0, "D served bytes that differ from what P computed"
-            assert d.served_unproven == 0, "D served reads P's answers do not prove"
+            for d in self.decoders:
+                assert d.served_corrupt == 0, "D served bytes that differ from what P computed"
+                assert d.served_unproven == 0, "D served reads P's answers do not prove"
             if not cfg.exceeds_lease:
                 assert net.stats.freed_under_read == 0, "P freed blocks under a READ"
             self.check_heartbeats()
@@ -358,7 +404,8 @@ class World:
                            if rec.state is not PState.FREED)
                 assert held == p.pool.held(rank), \
                     f"P rank {rank}: pool holds {p.pool.held(rank)} blocks, the fold {held}"
-        if not d.loop.dead:
-            pages = sum(len(imp.local_ids) for imp in d.reading.values())
-            assert pages == d.pool.used_blocks, \
-                f"D holds {d.pool.used_blocks} pages, its imports {pages}"
+        for d in self.decoders:
+            if not d.loop.dead:
+                pages = sum(len(imp.local_ids) for imp in d.reading.values())
+                assert pages == d.pool.used_blocks, \
+                    f"{d.name} holds {d.pool.used_blocks} pages, its imports {pages}"
