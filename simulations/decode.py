@@ -11,6 +11,12 @@ D heartbeats a request as soon as it is admitted, not only every
 ``heartbeat_s``: P's answer is what proves the source alive when the reads
 complete, and a request that waits a whole heartbeat period for it is slow.
 When reads drain with the verdict still PENDING, D asks again at once.
+
+D releases a request only after ``finished_recving`` (every split drained),
+to every P rank at once; only the vLLM 0.32 model lets each READ carry its
+rank's release (``DecodePolicy.release_with_reads``).  Every answer P gives
+is also noted in a `ProofLedger` apart from the fold, so what D serves is
+checked against P's answers rather than against the core's own verdict.
 """
 
 from __future__ import annotations
