@@ -237,8 +237,19 @@ class World:
             self.stray.send_notif(p_agent.name, encode(Release(rid, "decode-stray", rank)))
 
     def _impersonate(self, rid: str) -> None:
-        """An impostor copies the consumer's name, D ranks and token (the params leaked)."""
+        """An impostor copies the consumer's name, D ranks and token (the params leaked).
+
+        It speaks once the consumer has bound the request on every P rank still
+        holding it: a token-holding impostor that reaches P before the consumer
+        (say, while D is partitioned from P) binds it instead, and P frees under
+        the consumer's READ — which D then fails, never serves (docs/simulation.md).
+        """
         if self.p.loop.dead or self.stray is None:
+            return
+        records = (self.p.state.record(stream, rid) for stream in self.p.streams)
+        if any(rec is not None and rec.state is PState.EXPORTED and not rec.consumer
+               for rec in records):
+            self.clock.call_at(self.clock.now + 0.1, self._impersonate, rid)
             return
         token = self.d.tokens.get(rid, "")
         k = self.cfg.heads_per_p_rank
