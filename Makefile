@@ -34,6 +34,11 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
+# Mutation testing of the safety rules (tests/mutants.py; results in docs/testing.md).
+.PHONY: mutants
+mutants: setup
+	$(BIN)/python tests/mutants.py
+
 lint: setup
 	$(BIN)/ruff check .
 

@@ -175,8 +175,10 @@ class LeaseAcknowledged(Event):
 
     ``time_left`` > 0: the lease was alive with that much left when P read the
     heartbeat; ``time_left`` == 0: P released the request on its consumers'
-    notifications (every read had finished); ``time_left`` < 0: P no longer
-    holds the blocks for any other reason (expired, aborted, unknown).
+    notifications; ``time_left`` < 0: P no longer holds the blocks for any
+    other reason (expired, aborted, unknown, another asker).  D's fold takes
+    both 0 and < 0 as "gone": D releases only after its reads drained, so a
+    release P heard while D still asks did not follow D's reads.
     """
 
     p_rank: int = 0

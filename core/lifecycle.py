@@ -101,7 +101,7 @@ class ConsumerRecord:
 
     __slots__ = ("state", "remote_engine", "remote_ranks", "num_blocks", "lease_s", "margin",
                  "local_id", "split_ranks", "split_done", "failed", "cancelled",
-                 "safe_until", "gone", "last_heartbeat", "t0", "t_end")
+                 "safe_until", "held_at", "gone", "last_heartbeat", "t0", "t_end")
 
     def __init__(self, t0: float) -> None:
         self.state = DState.ADMITTED
@@ -117,6 +117,7 @@ class ConsumerRecord:
         self.failed = ""  # first failure reason
         self.cancelled = False
         self.safe_until: dict[int, float] = {}  # per P rank, on D's clock
+        self.held_at: dict[int, float] = {}  # per P rank: P held the source when it read this
         self.gone: tuple[int, ...] = ()  # P ranks that said they no longer hold the blocks
         self.last_heartbeat = t0
         self.t0 = t0
@@ -131,7 +132,7 @@ class ConsumerRecord:
         return (self.state.value, self.remote_engine, self.remote_ranks, self.num_blocks,
                 self.lease_s, self.margin, self.local_id, self.split_ranks, tuple(self.split_done),
                 self.failed, self.cancelled, tuple(sorted(self.safe_until.items())),
-                self.gone, self.last_heartbeat)
+                tuple(sorted(self.held_at.items())), self.gone, self.last_heartbeat)
 
 
 Record = ProducerRecord | ConsumerRecord
@@ -315,14 +316,26 @@ def _acknowledge(ss, rec: ConsumerRecord, ev) -> ConsumerRecord | None:
     if ev.sent_at > rec.last_heartbeat:
         ss.ignored["implausible_ack"] += 1
         return None
+    rank = ev.p_rank
     if ev.time_left > 0:
-        bound = ev.sent_at + max(min(ev.time_left, rec.lease_s) - rec.margin, 0.0)
-        if bound > rec.safe_until.get(ev.p_rank, -math.inf):
-            rec.safe_until[ev.p_rank] = bound
-    elif ev.time_left == 0:  # released on its consumers' notifications: every read finished
-        rec.safe_until[ev.p_rank] = math.inf
-    elif ev.p_rank not in rec.gone:
-        rec.gone = (*rec.gone, ev.p_rank)
+        rec.held_at[rank] = max(rec.held_at.get(rank, -math.inf), ev.sent_at)
+        # Once P has let go, a late (reordered) answer proves only that P held
+        # the source when it read that heartbeat, not the rest of that lease.
+        bound = ev.sent_at if rank in rec.gone else (
+            ev.sent_at + max(min(ev.time_left, rec.lease_s) - rec.margin, 0.0))
+        if bound > rec.safe_until.get(rank, -math.inf):
+            rec.safe_until[rank] = bound
+        return rec
+    # P let go: the lease ran out, or a release ended it early.  "Released" (0)
+    # is no proof either: D sends its own release only after its reads drained
+    # (release_sent follows finished_recving), so a release P heard while D
+    # still asks did not follow these reads (a stale or early one, another
+    # reader).  Either way P may have freed at any time after it last held the
+    # source: only what it held when it read a heartbeat stays proven.
+    rec.safe_until[rank] = min(rec.safe_until.get(rank, -math.inf),
+                               rec.held_at.get(rank, -math.inf))
+    if rank not in rec.gone:
+        rec.gone = (*rec.gone, rank)
     return rec
 
 

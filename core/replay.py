@@ -14,17 +14,27 @@ Invariants checked (ARCHITECTURE.md):
   heartbeat while the request was in a heartbeat state (e.g. a cancelled
   request whose reads were still in flight).
 * ``served_freed`` — D accepted a request's bytes (RECEIVED, not cancelled)
-  although one of its reads completed after P freed the source blocks for
-  any reason other than this D's own releases (a release follows the
-  reads it covers: the simulator's READ carries it as its completion
-  notification, the vLLM connector sends it after finished_recving; either
-  way a free on it follows the reads even if D logs the completion later).
+  although one of its reads completed after P freed the source blocks, for
+  any reason, D's own releases included: D releases only after
+  ``finished_recving`` (docs/lifecycle.md), so a free on a release that
+  followed the reads can never precede their completion in the log; one
+  that does was a stale or early release.
+* ``served_unproven`` — D accepted a request's bytes although no
+  acknowledgement in its log proves that P held the source when a read
+  completed: an answer ``time_left > 0`` to a heartbeat D had sent at
+  ``sent_at`` proves the lease until ``sent_at + max(min(time_left, lease)
+  − margin, 0)``; after an answer ``<= 0`` (P let go) only the latest
+  ``sent_at`` P answered alive stays proven.  Checked from the log's events,
+  not from the fold's verdict.
 * ``leak`` — an exported request that P still held one lease after its
   deadline, at the end of P's log.
 
 ``freed_under_read`` (P freed blocks while a read of them was in flight) is
 counted, not a violation by itself: a partition longer than the lease makes
 it legitimate for P; what must never follow is ``served_freed``.
+
+``missing_producers`` names the P engines that D's requests read from but
+whose log was not given: the cross-engine checks could not look at them.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ from dataclasses import dataclass, field
 from itertools import groupby
 
 from kvhandoff.core.errors import InvalidTransition, LifecycleError
-from kvhandoff.core.events import EXTRA_FIELDS, Event, Freed, Side
+from kvhandoff.core.events import EXTRA_FIELDS, Event, Freed, LeaseAcknowledged, Side
 from kvhandoff.core.lifecycle import (
     HEARTBEAT_STATES,
     ConsumerRecord,
@@ -60,6 +70,47 @@ class Violation:
         return {"invariant": self.invariant, "event": self.event, "detail": self.detail}
 
 
+class ProofLedger:
+    """What P's acknowledgements prove, kept apart from the fold's verdict.
+
+    ``note`` takes each acknowledgement D folded; ``proven_until`` is the
+    latest time (D's clock) at which P provably held the source of one P
+    rank's reads: an answer ``time_left > 0`` to a heartbeat sent at
+    ``sent_at`` proves ``sent_at + max(min(time_left, lease) − margin, 0)``;
+    once the rank answered ``<= 0`` (P let go) only the latest ``sent_at`` it
+    answered alive stays proven.  Replay and the simulator both check what D
+    served against it, so a wrong verdict in the core cannot vouch for itself.
+    """
+
+    __slots__ = ("_until", "_held")
+
+    def __init__(self) -> None:
+        self._until: dict = {}
+        self._held: dict = {}  # key -> (latest sent_at answered alive, P let go)
+
+    def note(self, key, sent_at: float, time_left: float, lease_s: float, margin_s: float) -> None:
+        held, let_go = self._held.get(key, (-math.inf, False))
+        if time_left > 0:
+            until = sent_at if let_go else sent_at + max(min(time_left, lease_s) - margin_s, 0.0)
+            self._held[key] = (max(held, sent_at), let_go)
+            self._until[key] = max(self._until.get(key, -math.inf), until)
+        else:
+            self._held[key] = (held, True)
+            self._until[key] = min(self._until.get(key, -math.inf), held)
+
+    def proven_until(self, key) -> float:
+        return self._until.get(key, -math.inf)
+
+    def unproven(self, key_of_rank, rec: ConsumerRecord) -> list[tuple[int, float, float]]:
+        """(P rank, completion, proven until) of each completed split the proofs do not cover."""
+        out = []
+        for rank, done in zip(rec.split_ranks, rec.split_done, strict=True):
+            proven = self.proven_until(key_of_rank(rank))
+            if not isinstance(done, float) or done > proven:
+                out.append((rank, done, proven))
+        return out
+
+
 @dataclass
 class Replay:
     state: LifecycleState
@@ -70,6 +121,15 @@ class Replay:
     # Last gap reported per (D stream, request): kept here, not in the folded
     # record, so the state (and its hash) stays exactly the fold of the log.
     gap_reported_at: dict = field(default_factory=dict)
+    # What P's acknowledgements prove, derived here from the events.
+    proofs: ProofLedger = field(default_factory=lambda: ProofLedger())
+
+    def missing_producers(self) -> list[str]:
+        """P engines named by D's requests whose log is not among the replayed ones."""
+        producers = {s.engine for s in self.state.streams if s.side is Side.P}
+        named = {rec.remote_engine for ss in self.state.streams.values()
+                 if ss.stream.side is Side.D for rec in ss.requests.values()}
+        return sorted(named - producers)
 
     def summary(self) -> dict:
         states: Counter[str] = Counter()
@@ -89,6 +149,7 @@ class Replay:
             "freed_under_read": self.freed_under_read,
             "ignored_notifications": sum(ignored.values()),
             "ignored_by_reason": dict(sorted(ignored.items())),
+            "missing_producers": self.missing_producers(),
         }
 
 
@@ -147,13 +208,9 @@ def replay(events: Sequence[Event], *, request: str | None = None, until: int | 
             result.timeline.append((event, rec.state.value if rec is not None else "-"))
         if event.stream.side is Side.P:
             if isinstance(event, Freed):
-                # A free on the consumer's own releases follows its reads (each
-                # READ carries its release), even when D logs the completion
-                # later; anything else (expiry, abort, another engine's
-                # release) may have freed the source under a read.
                 key = (event.stream.engine, event.stream.rank, event.request_id)
-                freed_at[key] = (event.t, rec.consumer if rec.ended == "released" else None)
-                result.freed_under_read += _reads_in_flight(state, event, rec)
+                freed_at[key] = event.t
+                result.freed_under_read += _reads_in_flight(state, event)
         elif isinstance(rec, ConsumerRecord):
             _check_consumer(result, freed_at, event, rec)
     _check_leaks(result, last_t)
@@ -166,12 +223,11 @@ def _skip(state: LifecycleState, event: Event) -> None:
     ss.last_seq = max(ss.last_seq, event.seq)
 
 
-def _reads_in_flight(state: LifecycleState, freed: Event, p_rec: ProducerRecord) -> int:
+def _reads_in_flight(state: LifecycleState, freed: Event) -> int:
     engine, rank, rid = freed.stream.engine, freed.stream.rank, freed.request_id
     count = 0
     for ss in state.streams.values():
-        if ss.stream.side is not Side.D or (
-                p_rec.ended == "released" and ss.stream.engine == p_rec.consumer):
+        if ss.stream.side is not Side.D:
             continue
         rec = ss.requests.get(rid)
         if (isinstance(rec, ConsumerRecord) and rec.remote_engine == engine
@@ -182,6 +238,10 @@ def _reads_in_flight(state: LifecycleState, freed: Event, p_rec: ProducerRecord)
 
 
 def _check_consumer(result: Replay, freed_at: dict, event: Event, rec: ConsumerRecord) -> None:
+    if isinstance(event, LeaseAcknowledged) and event.sent_at <= rec.last_heartbeat:
+        # (an answer that echoes no heartbeat D sent proves nothing)
+        result.proofs.note((event.stream, event.request_id, event.p_rank), event.sent_at,
+                           event.time_left, rec.lease_s, rec.margin)
     if rec.state in HEARTBEAT_STATES or event.kind == "finished_recving":
         key = (event.stream, event.request_id)
         gap = event.t - max(rec.last_heartbeat, result.gap_reported_at.get(key, -math.inf))
@@ -192,14 +252,18 @@ def _check_consumer(result: Replay, freed_at: dict, event: Event, rec: ConsumerR
             result.gap_reported_at[key] = event.t  # report each gap once
     if rec.state is DState.RECEIVED and event.kind == "finished_recving" and not rec.cancelled:
         for rank, done in zip(rec.split_ranks, rec.split_done, strict=True):
-            t_free, released_by = freed_at.get((rec.remote_engine, rank, event.request_id),
-                                               (None, None))
-            if (t_free is not None and released_by != event.stream.engine
-                    and isinstance(done, float) and done > t_free):
+            t_free = freed_at.get((rec.remote_engine, rank, event.request_id))
+            if t_free is not None and isinstance(done, float) and done > t_free:
                 result.violations.append(Violation(
                     "served_freed", describe(event),
                     f"read from {rec.remote_engine} rank {rank} completed at t={done} "
                     f"after P freed the source at t={t_free}"))
+        for rank, done, proven in result.proofs.unproven(
+                lambda r: (event.stream, event.request_id, r), rec):
+            result.violations.append(Violation(
+                "served_unproven", describe(event),
+                f"read from {rec.remote_engine} rank {rank} completed at t={done}; "
+                f"P's acknowledgements prove the source held until t={proven}"))
 
 
 def _check_leaks(result: Replay, last_t: dict) -> None:

@@ -77,6 +77,8 @@ class RunConfig:
     crash_p_at: float | None = None
     crash_d_at: float | None = None
     wrong_peer_releases: float = 0.0  # share of requests a stray decode engine "releases"
+    impersonation: float = 0.0  # share of admitted requests an impostor releases as the consumer
+    retries: float = 0.0  # share of finished requests a client retries at a second D engine
 
     # what the scenario is allowed to show under policy kvhandoff
     exceeds_lease: bool = False  # faults longer than the lease: freed_under_read may be > 0

@@ -11,6 +11,12 @@ D heartbeats a request as soon as it is admitted, not only every
 ``heartbeat_s``: P's answer is what proves the source alive when the reads
 complete, and a request that waits a whole heartbeat period for it is slow.
 When reads drain with the verdict still PENDING, D asks again at once.
+
+D releases a request only after ``finished_recving`` (every split drained),
+to every P rank at once; only the vLLM 0.32 model lets each READ carry its
+rank's release (``DecodePolicy.release_with_reads``).  Every answer P gives
+is also noted in a `ProofLedger` apart from the fold, so what D serves is
+checked against P's answers rather than against the core's own verdict.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from kvhandoff.core.lifecycle import (
 from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Release, decode, encode
 from kvhandoff.core.planning import coalesce, validate_block_ids
 from kvhandoff.core.policy import heartbeat_due
+from kvhandoff.core.replay import ProofLedger
 from kvhandoff.simulations import kv
 from kvhandoff.simulations.config import RunConfig
 from kvhandoff.simulations.loop import EngineLoop
@@ -74,21 +81,6 @@ def _stale(rec: ConsumerRecord, before: float) -> bool:
     """Whether some P rank's last proof of the lease runs out before ``before``."""
     proofs = rec.safe_until
     return len(proofs) < len(rec.remote_ranks) or min(proofs.values()) < before
-
-
-def _rank_owed(rec: ConsumerRecord, rank: int) -> bool:
-    """Whether P rank ``rank`` still needs heartbeats for this request.
-
-    Until the READs are posted, every rank does; afterwards a rank does while
-    its split is in flight, failed (its blocks wait for our explicit release)
-    or completed later than P's proof of the lease reaches.
-    """
-    if not rec.split_ranks:
-        return True
-    for r, done in zip(rec.split_ranks, rec.split_done, strict=True):
-        if r == rank and (done is None or done == "" or done > rec.safe_until.get(r, -1.0)):
-            return True
-    return False
 
 
 class DecodeEngine:
@@ -125,7 +117,12 @@ class DecodeEngine:
         self.urgent: dict[str, None] = {}  # heartbeat at the end of this step
         self.tokens: dict[str, str] = {}  # each request's release token, from its params
         self.next_heartbeat = 0.0
-        self.served = self.served_corrupt = self.malformed = 0
+        # When a heartbeat naming each (request, P rank) last left, whatever became
+        # of it: what the measured heartbeat check (World.check_heartbeats) reads.
+        self.last_beat: dict[tuple[str, int], float] = {}
+        self.served = self.served_corrupt = self.served_unproven = self.malformed = 0
+        # What P's answers prove, apart from the core's verdict (the effect check).
+        self.proofs = ProofLedger()
         self.loop = EngineLoop(self.clock, rng, self._step, cfg.d_step_s, cfg.step_jitter,
                                cfg.stall, cfg.stall_s)
 
@@ -183,6 +180,9 @@ class DecodeEngine:
         for rid, left in msg.time_left.items():
             self.ledger.record(LeaseAcknowledged, rid, now, p_rank=msg.rank,
                                sent_at=msg.sent_at, time_left=left)
+            rec = self.state.record(self.stream, rid)
+            if rec is not None and msg.sent_at <= rec.last_heartbeat:
+                self.proofs.note((rid, msg.rank), msg.sent_at, left, rec.lease_s, rec.margin)
 
     def _release(self, rid: str, ranks) -> None:
         token = self.tokens.get(rid, "")
@@ -208,6 +208,11 @@ class DecodeEngine:
     def _admit(self, req: SimRequest, params: TransferParams, now: float) -> None:
         cfg = self.cfg
         rid = params.request_id
+        if self.state.record(self.stream, rid) is not None:
+            # The same parameters again (a client retry): P's blocks were, or are
+            # being, released on the first admission's account; never read them twice.
+            self.on_done(req, "failed")
+            return
         self.tokens[rid] = params.token
         self.ledger.record(Admitted, rid, now, remote_engine=params.remote_engine,
                            remote_ranks=tuple(range(cfg.tp)), num_blocks=params.num_blocks,
@@ -251,8 +256,10 @@ class DecodeEngine:
             self.reading[rid] = imp
             read = ReadRequest(runs=coalesce(imp.remote_ids, local))
             params_token = imp.params.token
+            carry = self.policy.release_with_reads
             for rank, agent in enumerate(self.agents):
-                release = encode(Release(rid, self.name, rank, params_token))
+                # kvhandoff releases after finished_recving; vLLM's READ carries it.
+                release = encode(Release(rid, self.name, rank, params_token)) if carry else None
                 try:
                     handle = agent.post_read(self.peers[rank], read, release)
                 except TransportError as e:
@@ -275,7 +282,7 @@ class DecodeEngine:
             if imp.drained_at is None:
                 imp.drained_at = now
             verdict = read_verdict_of(rec)
-            if verdict is Verdict.PENDING and not rec.cancelled:
+            if verdict is Verdict.PENDING and not rec.cancelled and self.policy.acknowledges:
                 # (A cancelled request's bytes go nowhere: no proof needed, its
                 # pages are released as soon as the reads drained.)
                 peer_gone = any(self.p_peers[r] in lost for r in rec.split_ranks)
@@ -300,19 +307,23 @@ class DecodeEngine:
         record(FinishedRecving, rid, now)
         req = imp.req
         serve = False
-        if rec.state is DState.RECEIVED:
-            record(ReleaseSent, rid, now, notify_only=False)  # the READs carried it
+        received = rec.state is DState.RECEIVED
+        record(ReleaseSent, rid, now, notify_only=not received)
+        if not self.policy.release_with_reads:
+            self._release(rid, range(len(self.agents)))  # every read drained: P may free
+        else:  # vLLM: the READs carried it, but failed splits never delivered theirs
+            self._release(rid, imp.splits_failed)
+        if received:
             serve = not rec.cancelled
         else:
-            record(ReleaseSent, rid, now, notify_only=True)
-            # Splits that failed never delivered their release: tell those P ranks.
-            self._release(rid, imp.splits_failed)
             serve = (self.policy.serve_unconfirmed and not rec.cancelled
                      and not imp.splits_failed)
         if serve:
             self.served += 1
             if not self._bytes_match(imp):
                 self.served_corrupt += 1
+            if self.proofs.unproven(lambda r: (rid, r), rec):
+                self.served_unproven += 1
         outcome = "served" if serve else ("cancelled" if rec.cancelled else "failed")
         for rank in range(len(self.agents)):
             self.pool.free(imp.local_ids, rank)
@@ -349,14 +360,15 @@ class DecodeEngine:
             return
         for rid in due:
             self.ledger.record(HeartbeatSent, rid, now)
-        requests = self.state.stream(self.stream).requests
+        # Every P rank holds the request until D's release after finished_recving,
+        # even one whose READ already completed under proof: heartbeat them all.
+        ids = tuple(due)
+        tokens = tuple(self.tokens.get(rid, "") for rid in ids)
         for p_rank, peer in enumerate(self.p_peers):
-            # A P rank whose READs already completed under proof needs no more.
-            ids = tuple(rid for rid in due if _rank_owed(requests[rid], p_rank))
-            if ids:
-                tokens = tuple(self.tokens.get(rid, "") for rid in ids)
-                d = p_rank * self.k  # the first D rank reading that P rank speaks for all
-                self.agents[d].send_notif(peer, encode(Heartbeat(self.name, d, now, ids, tokens)))
+            d = p_rank * self.k  # the first D rank reading that P rank speaks for all
+            self.agents[d].send_notif(peer, encode(Heartbeat(self.name, d, now, ids, tokens)))
+            for rid in ids:
+                self.last_beat[(rid, p_rank)] = now
         # Whatever made us send, these requests are due again at the next period.
         # (Arming only after periodic rounds lost the period of a request whose
         # first heartbeat was its admission one: found by Hypothesis.)

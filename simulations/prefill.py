@@ -36,6 +36,7 @@ from kvhandoff.core.policy import expired_leases, lease_time_left, to_free
 from kvhandoff.simulations import kv
 from kvhandoff.simulations.config import RunConfig
 from kvhandoff.simulations.loop import EngineLoop
+from kvhandoff.simulations.policies import KVHANDOFF, DecodePolicy
 from kvhandoff.transports.sim import SimBlockPool, SimNetwork
 
 
@@ -70,11 +71,14 @@ class TransferParams:
 class PrefillEngine:
     def __init__(self, name: str, cfg: RunConfig, net: SimNetwork, rng: random.Random,
                  sink: Callable, on_exported: Callable[[SimRequest, TransferParams], None],
-                 mint_tokens: bool = True) -> None:
+                 policy: DecodePolicy = KVHANDOFF) -> None:
         self.name, self.cfg, self.net = name, cfg, net
         self.clock = net.clock
         self.on_exported = on_exported
-        self.mint_tokens = mint_tokens
+        self.policy = policy
+        # Who each transport peer is (engine, rank), learned at the handshake
+        # (the side channel), never from what a notification claims.
+        self.peer_identity: dict[str, tuple[str, int]] = {}
         self.agents = [net.agent(f"{name}.r{r}") for r in range(cfg.tp)]
         self.words: list[np.ndarray] = []  # per rank: (regions, blocks, words) of its memory
         k = cfg.heads_per_p_rank  # head groups per P rank: one per D rank reading it
@@ -148,10 +152,13 @@ class PrefillEngine:
         for req in self.prefilled:
             ids = self.blocks[req.rid]
             # Only the engine that receives the transfer parameters can release.
-            token = f"{self.rng.getrandbits(64):016x}" if self.mint_tokens else ""
+            token = f"{self.rng.getrandbits(64):016x}" if self.policy.mint_tokens else ""
+            # (vLLM extends by 2/3 of the lease; the core extends by the exported
+            # lease, so that model exports 2/3 of it: docs/simulation.md.)
+            lease_s = cfg.lease_s * self.policy.lease_extension
             for rank, ledger in enumerate(self.ledgers):
                 kv.write(self.words[rank], ids, req.serial, rank)
-                ledger.record(Exported, req.rid, now, lease_s=cfg.lease_s,
+                ledger.record(Exported, req.rid, now, lease_s=lease_s,
                               consumer_ranks=self.consumers[rank], num_blocks=len(ids),
                               token=token)
             self.on_exported(req, TransferParams(req.rid, self.name, tuple(range(cfg.tp)),
@@ -173,6 +180,23 @@ class PrefillEngine:
         self._changed = False
         return bool(freed and self.queue)
 
+    def add_consumer(self, agent: str, engine: str, rank: int) -> None:
+        """The handshake told us that transport peer ``agent`` is ``engine``'s rank ``rank``."""
+        self.peer_identity[agent] = (engine, rank)
+
+    def _sender(self, rank: int, peer: str, msg: Release | Heartbeat) -> tuple[str, int]:
+        """Who sent ``msg``: the transport peer, or (vLLM) nobody in particular.
+
+        vLLM counts every ``"<req_id>:<N>"`` notification with no sender check
+        and no per-rank dedupe: the model names every sender alike and gives
+        each release the next consumer rank P still waits for.
+        """
+        if self.policy.checks_sender:
+            return self.peer_identity.get(peer, (f"unknown:{peer}", -1))
+        rec = self.state.record(self.streams[rank], getattr(msg, "request_id", ""))
+        waiting = [r for r in getattr(rec, "expected", ()) if r not in rec.notified]
+        return "any", (waiting[0] if waiting else 0)
+
     def _on_notification(self, rank: int, peer: str, message: bytes, now: float) -> None:
         try:
             msg = decode(message)
@@ -182,18 +206,21 @@ class PrefillEngine:
         ledger = self.ledgers[rank]
         self._changed = True
         if isinstance(msg, Release):
-            ledger.record(ReleaseNotified, msg.request_id, now, from_engine=msg.engine,
-                          consumer_rank=msg.rank, token=msg.token)
+            engine, consumer_rank = self._sender(rank, peer, msg)
+            ledger.record(ReleaseNotified, msg.request_id, now, from_engine=engine,
+                          consumer_rank=consumer_rank, token=msg.token)
         elif isinstance(msg, Heartbeat):
+            engine, _ = self._sender(rank, peer, msg)
             left = {}
             stream = self.streams[rank]
             for i, rid in enumerate(msg.request_ids):
                 token = msg.token_of(i)
-                ledger.record(HeartbeatReceived, rid, now, from_engine=msg.engine, token=token)
-                left[rid] = lease_time_left(self.state, stream, rid, now, engine=msg.engine,
+                ledger.record(HeartbeatReceived, rid, now, from_engine=engine, token=token)
+                left[rid] = lease_time_left(self.state, stream, rid, now, engine=engine,
                                             token=token)
-            ack = HeartbeatAck(self.name, rank, msg.sent_at, left)
-            self.agents[rank].send_notif(peer, encode(ack))
+            if self.policy.acknowledges:
+                self.agents[rank].send_notif(peer, encode(HeartbeatAck(self.name, rank,
+                                                                        msg.sent_at, left)))
         else:
             self.malformed += 1  # P never expects an acknowledgement
 

@@ -177,6 +177,36 @@ def _wrong_peer(cfg: RunConfig, rng: random.Random) -> None:
     _slow_reads(cfg, share=0.3, lo=0.01, hi=0.1)
 
 
+@scenario("impersonated_consumer",
+          "an impostor that learned the transfer parameters sends releases and heartbeats "
+          "naming the consumer engine, its D ranks and its token: P must tell the transport "
+          "peer apart and not free under the consumer's READs")
+def _impersonation(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.impersonation = rng.uniform(0.3, 1.0)
+    _slow_reads(cfg, share=0.5, lo=0.01, hi=0.2)
+
+
+@scenario("retry_after_release",
+          "the client retries a finished request at a second decode engine with the same "
+          "transfer parameters: that reader READs blocks P released (and may reuse) and must "
+          "never serve them")
+def _retry_after_release(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.retries = rng.uniform(0.3, 1.0)
+    _slow_reads(cfg, share=0.3, lo=0.001, hi=0.1)
+    # P may free (reuse) blocks under the second reader's READs: they are no
+    # longer its to read; what matters is that it never serves them.
+    cfg.exceeds_lease = True
+
+
+@scenario("cancel_during_read_realistic",
+          "the client cancels while READs of realistic length are in flight (1 ms to 0.75 s: "
+          "786 KB to 1 GiB at the rates measured in FIELD_NOTES.md): how often the vLLM 0.32 "
+          "cancel gap bites when reads are not forced to outlast the lease")
+def _cancel_realistic(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.read_faults = ReadFaults(slow=1.0, slow_s=(0.001, 0.75))
+    cfg.cancel = CancelPlan(rng.uniform(0.4, 0.9), ("reads_posted",), (0.0, 0.5))
+
+
 @scenario("tp2_split_reads",
           "TP=2: every request is two rank-local READ splits that complete independently")
 def _tp2(cfg: RunConfig, rng: random.Random) -> None:
@@ -256,5 +286,7 @@ def _swarm(cfg: RunConfig, rng: random.Random) -> None:
         cfg.crash_d_at = rng.uniform(0.0, 0.1)
     if maybe(0.2):
         cfg.wrong_peer_releases = rng.uniform(0.0, 0.5)
+    if maybe(0.1):
+        cfg.impersonation = rng.uniform(0.0, 0.5)
     if maybe(0.2):  # D with more TP ranks than P
         cfg.tp, cfg.d_tp = rng.choice(((1, 2), (1, 4), (2, 4)))

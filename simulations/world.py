@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvhandoff.core.lifecycle import HEARTBEAT_STATES, PState
+from kvhandoff.core.lifecycle import PState
 from kvhandoff.core.log import encode_event
-from kvhandoff.core.messages import Release, encode
+from kvhandoff.core.messages import Heartbeat, Release, encode
 from kvhandoff.simulations.config import RunConfig
 from kvhandoff.simulations.decode import DecodeEngine
 from kvhandoff.simulations.policies import POLICY_BY_NAME
@@ -35,7 +35,7 @@ from kvhandoff.transports.sim import SimClock, SimNetwork, sub_seed
 MAX_CLOCK_STEPS = 2_000_000  # a run that needs more is livelocked: reported as stuck
 
 METRICS = ("requests", "served", "failed", "rejected", "cancelled", "freed_under_read",
-           "served_corrupt", "double_frees", "leaks", "stuck", "overwritten_under_read",
+           "served_corrupt", "served_unproven", "double_frees", "leaks", "stuck", "overwritten_under_read",
            "ignored_notifications", "lease_expiries", "events")
 
 
@@ -77,13 +77,23 @@ class World:
         self.p_lines: list[bytes] = []
         self.d_lines: list[bytes] = []
         self.p = PrefillEngine("prefill-0", cfg, self.net, random.Random(sub_seed(cfg.seed, "P")),
-                               self._p_sink, self._exported, self.policy.mint_tokens)
+                               self._p_sink, self._exported, self.policy)
         self.d = DecodeEngine("decode-0", cfg, self.net, random.Random(sub_seed(cfg.seed, "D")),
                               self._d_sink, self.policy, self.p.name, cfg.p_blocks,
                               self._phase, self._done)
+        # A second decode engine, only for clients that retry finished requests
+        # there with the same transfer parameters (a second reader of them).
+        self.d2 = DecodeEngine("decode-1", cfg, self.net,
+                               random.Random(sub_seed(cfg.seed, "D1")), self._d_sink,
+                               self.policy, self.p.name, cfg.p_blocks,
+                               lambda req, phase: None, self._retry_done) if cfg.retries else None
+        self.decoders = [self.d] if self.d2 is None else [self.d, self.d2]
+        self.params: dict[str, TransferParams] = {}
+        self.retry_outcomes: Counter[str] = Counter()
         self._handshake()
         owners = {a.name: self.p.loop for a in self.p.agents}
-        owners.update({a.name: self.d.loop for a in self.d.agents})
+        for d in self.decoders:
+            owners.update({a.name: d.loop for a in d.agents})
         self.net.on_deliver = lambda name: (loop := owners.get(name)) and loop.wake()
         self.requests: list[SimRequest] = []
         self.outcomes: Counter[str] = Counter()  # how client requests ended
@@ -103,12 +113,14 @@ class World:
         # Rank-local: D rank d talks only to the P rank it reads (metadata over a
         # side channel); with equal TP that is P rank d.
         k = self.cfg.heads_per_p_rank
-        for d, d_agent in enumerate(self.d.agents):
-            p_agent = self.p.agents[d // k]
-            d_agent.add_peer(p_agent.metadata())
-            p_agent.add_peer(d_agent.metadata())
+        for engine in self.decoders:
+            for d, d_agent in enumerate(engine.agents):
+                p_agent = self.p.agents[d // k]
+                d_agent.add_peer(p_agent.metadata())
+                p_agent.add_peer(d_agent.metadata())
+                self.p.add_consumer(d_agent.name, engine.name, d)
         self.stray = None
-        if self.cfg.wrong_peer_releases:
+        if self.cfg.wrong_peer_releases or self.cfg.impersonation:
             # A decode engine that is not the request's consumer (restarted with
             # stale state, or misrouted) and sends releases P must not honour.
             self.stray = self.net.agent("decode-stray.r0")
@@ -116,6 +128,7 @@ class World:
             for p_agent in self.p.agents:
                 self.stray.add_peer(p_agent.metadata())
                 p_agent.add_peer(self.stray.metadata())
+            self.p.add_consumer(self.stray.name, "decode-stray", 0)
 
     def _plan(self) -> None:
         cfg, rng, clock = self.cfg, self.rng, self.clock
@@ -195,6 +208,7 @@ class World:
         if self.d.loop.dead:
             self._done(req, "failed")
             return
+        self.params[req.rid] = params
         self.d.submit(req, params)
 
     def _corrupt(self, params: TransferParams) -> TransferParams:
@@ -222,7 +236,34 @@ class World:
         for rank, p_agent in enumerate(self.p.agents):
             self.stray.send_notif(p_agent.name, encode(Release(rid, "decode-stray", rank)))
 
+    def _impersonate(self, rid: str) -> None:
+        """An impostor copies the consumer's name, D ranks and token (the params leaked).
+
+        It speaks once the consumer has bound the request on every P rank still
+        holding it: a token-holding impostor that reaches P before the consumer
+        (say, while D is partitioned from P) binds it instead, and P frees under
+        the consumer's READ — which D then fails, never serves (docs/simulation.md).
+        """
+        if self.p.loop.dead or self.stray is None:
+            return
+        records = (self.p.state.record(stream, rid) for stream in self.p.streams)
+        if any(rec is not None and rec.state is PState.EXPORTED and not rec.consumer
+               for rec in records):
+            self.clock.call_at(self.clock.now + 0.1, self._impersonate, rid)
+            return
+        token = self.d.tokens.get(rid, "")
+        k = self.cfg.heads_per_p_rank
+        for rank, p_agent in enumerate(self.p.agents):
+            for d in range(rank * k, (rank + 1) * k):
+                self.stray.send_notif(p_agent.name, encode(Release(rid, self.d.name, d, token)))
+            self.stray.send_notif(p_agent.name, encode(Heartbeat(
+                self.d.name, rank * k, self.clock.now, (rid,), (token,))))
+
     def _phase(self, req: SimRequest, phase: str) -> None:
+        if (phase == "admitted" and self.cfg.impersonation
+                and self.rng.random() < self.cfg.impersonation):
+            self.clock.call_at(self.clock.now + self.rng.uniform(0.005, 1.0), self._impersonate,
+                               req.rid)
         self._maybe_cancel(req, phase)
 
     def _done(self, req: SimRequest, outcome: str) -> None:
@@ -231,7 +272,20 @@ class World:
         req.outcome = outcome
         req.stage = "done"
         self.outcomes[outcome] += 1
+        if (self.d2 is not None and outcome in ("served", "failed") and req.rid in self.params
+                and self.rng.random() < self.cfg.retries):
+            self.clock.call_at(self.clock.now + self.rng.uniform(0.01, 0.5 * self.cfg.lease_s),
+                               self._retry, req)
         self._maybe_cancel(req, "finished")
+
+    def _retry(self, req: SimRequest) -> None:
+        """The client sends the same transfer parameters again, to the second D engine."""
+        if self.d2 is not None and not self.d2.loop.dead:
+            again = SimRequest(req.rid, req.serial, req.num_blocks, self.clock.now)
+            self.d2.submit(again, self.params[req.rid])
+
+    def _retry_done(self, req: SimRequest, outcome: str) -> None:
+        self.retry_outcomes[outcome] += 1
 
     # -- crashes --------------------------------------------------------------------
 
@@ -266,19 +320,23 @@ class World:
         return self.result()
 
     def result(self) -> RunResult:
-        cfg, p, d, net = self.cfg, self.p, self.d, self.net
+        cfg, p, net, decoders = self.cfg, self.p, self.net, self.decoders
         counts = self.outcomes
         stuck = sum(1 for r in self.requests if not r.outcome)
         leaks = 0
         if not p.loop.dead:
             stuck += len(p.unfinished())
             leaks += p.pool.used_blocks
-        if not d.loop.dead:
-            stuck += len(d.unfinished())
-            leaks += d.pool.used_blocks
-        ignored = p.malformed + d.malformed
+        for d in decoders:
+            if not d.loop.dead:
+                stuck += len(d.unfinished())
+                leaks += d.pool.used_blocks
+        ignored = p.malformed + sum(d.malformed for d in decoders)
         expiries = 0
-        for ss in (*p.state.streams.values(), *d.state.streams.values()):
+        streams = [*p.state.streams.values()]
+        for d in decoders:
+            streams.extend(d.state.streams.values())
+        for ss in streams:
             ignored += sum(ss.ignored.values())
             expiries += sum(1 for rec in ss.requests.values()
                             if getattr(rec, "ended", "") == "expired")
@@ -289,7 +347,8 @@ class World:
             "rejected": counts.get("rejected", 0),
             "cancelled": counts.get("cancelled", 0) + counts.get("orphaned", 0),
             "freed_under_read": net.stats.freed_under_read,
-            "served_corrupt": d.served_corrupt,
+            "served_corrupt": sum(d.served_corrupt for d in decoders),
+            "served_unproven": sum(d.served_unproven for d in decoders),
             "double_frees": net.stats.double_frees,
             "leaks": leaks,
             "stuck": stuck,
@@ -309,7 +368,8 @@ class World:
 
     def violations(self, m: dict[str, int]) -> list[dict]:
         out = []
-        for name in ("served_corrupt", "double_frees", "leaks", "stuck", "overwritten_under_read"):
+        for name in ("served_corrupt", "served_unproven", "double_frees", "leaks", "stuck",
+                     "overwritten_under_read"):
             if m[name]:
                 out.append({"invariant": name, "count": m[name]})
         if m["freed_under_read"] and not self.cfg.exceeds_lease:
@@ -318,20 +378,36 @@ class World:
 
     # -- safety, checked after every step by the Hypothesis tests ------------------------
 
+    def check_heartbeats(self) -> None:
+        """The rule, on effects: while a READ owns P's blocks, heartbeats for it really leave.
+
+        For every READ in flight, the time since D last sent a heartbeat naming
+        its request to the P rank it reads must stay under the lease — whatever
+        state the fold is in (measured on what D sent, not on its states).
+        """
+        now, lease = self.clock.now, self.cfg.lease_s
+        for d in self.decoders:
+            if d.loop.dead:
+                continue
+            for (rank, _), (rid, _) in d.handles.items():
+                p_rank = rank // d.k
+                last = d.last_beat.get((rid, p_rank))
+                assert last is not None and now - last < lease, (
+                    f"{d.name} {rid}: READ from P rank {p_rank} in flight, no heartbeat sent "
+                    f"to it for {now - (last if last is not None else 0.0):.3f}s (lease {lease}s)")
+
     def check_safety(self) -> None:
         """Raise AssertionError naming the first broken invariant (see docs/simulation.md)."""
-        cfg, p, d, net = self.cfg, self.p, self.d, self.net
+        cfg, p, net = self.cfg, self.p, self.net
         assert net.stats.double_frees == 0, "a block was freed twice"
         assert net.stats.overwritten_under_read == 0, "D reused pages a READ was writing"
         if cfg.policy == "kvhandoff":
-            assert d.served_corrupt == 0, "D served bytes that differ from what P computed"
+            for d in self.decoders:
+                assert d.served_corrupt == 0, "D served bytes that differ from what P computed"
+                assert d.served_unproven == 0, "D served reads P's answers do not prove"
             if not cfg.exceeds_lease:
                 assert net.stats.freed_under_read == 0, "P freed blocks under a READ"
-            # The rule: a request with a READ in flight is heartbeated.
-            requests = d.state.stream(d.stream).requests
-            for rid, _ in d.handles.values():
-                assert requests[rid].state in HEARTBEAT_STATES, \
-                    f"{rid} has a READ in flight but is not heartbeated ({requests[rid].state})"
+            self.check_heartbeats()
         if not p.loop.dead:
             # P's pool holds exactly the blocks of the requests its fold says it holds.
             for rank, stream in enumerate(p.streams):
@@ -339,7 +415,8 @@ class World:
                            if rec.state is not PState.FREED)
                 assert held == p.pool.held(rank), \
                     f"P rank {rank}: pool holds {p.pool.held(rank)} blocks, the fold {held}"
-        if not d.loop.dead:
-            pages = sum(len(imp.local_ids) for imp in d.reading.values())
-            assert pages == d.pool.used_blocks, \
-                f"D holds {d.pool.used_blocks} pages, its imports {pages}"
+        for d in self.decoders:
+            if not d.loop.dead:
+                pages = sum(len(imp.local_ids) for imp in d.reading.values())
+                assert pages == d.pool.used_blocks, \
+                    f"{d.name} holds {d.pool.used_blocks} pages, its imports {pages}"

@@ -143,10 +143,26 @@ def test_verdict_unsafe_when_p_says_gone_after_an_unproven_completion():
     assert ledger.state.record(D0, RID).state is DState.FAILED
 
 
-def test_released_answer_confirms_every_read():
-    ledger = _reading((1.0, 0.9, 0.0))
-    ledger.record(SplitCompleted, RID, 50.0, split=0)
-    ledger.record(SplitCompleted, RID, 60.0, split=1)
+def test_a_released_answer_while_d_still_reads_proves_nothing():
+    # D releases only after its reads drained: "released" heard while it still
+    # reads means a stale or early release freed P, maybe under these reads.
+    ledger = _reading((1.0, 0.9, 5.0), (2.0, 1.9, 0.0))  # proven until 5.4, then "released"
+    ledger.record(SplitCompleted, RID, 5.0, split=0)
+    ledger.record(SplitCompleted, RID, 6.0, split=1)
+    assert policy.read_verdict(ledger.state, D0, RID) is Verdict.UNSAFE
+
+
+def test_once_p_let_go_only_what_it_held_when_it_read_a_heartbeat_stays_proven():
+    # The lease bound assumes nothing but D's own post-drain release ends the
+    # lease early; a "released" or "gone" answer says something else did.
+    ledger = _reading((1.0, 0.9, 5.0), (2.0, 1.9, 5.0))  # held at 1.9, lease proven to 6.4
+    ledger.record(SplitCompleted, RID, 1.5, split=0)
+    _ack(ledger, 3.1, 3.0, 0.0)
+    ledger.record(SplitCompleted, RID, 2.5, split=1)
+    assert policy.read_verdict(ledger.state, D0, RID) is Verdict.UNSAFE
+    assert ledger.state.record(D0, RID).safe_until == {0: 1.9}
+    _ack(ledger, 3.3, 3.2, 4.0)  # any answer after P let go proves only its sent_at
+    assert ledger.state.record(D0, RID).safe_until == {0: 3.2}
     assert policy.read_verdict(ledger.state, D0, RID) is Verdict.CONFIRMED
 
 

@@ -94,15 +94,54 @@ def test_clean_hand_off_passes_check(tmp_path, capsys):
     assert out["events"] == 13 and len(out["state_hash"]) == 32
 
 
-def test_free_on_the_reads_own_release_before_d_logs_the_completion_is_fine(tmp_path, capsys):
-    """Each READ carries its release: P may free before D's next step logs the completion."""
+def test_a_free_on_ds_own_release_before_its_read_completed_is_served_freed(tmp_path, capsys):
+    """D releases only after its reads drained, so an own release that beats the read is stale.
+
+    (Until issue #9 replay exempted a D's own releases: a stale or early release
+    freed P under the read, P later answered "released", D confirmed and served
+    the bytes, and --check said nothing.)
+    """
     e = Engines(tmp_path)
     e.start_read("req-1", 1.0)
     e.P.record(ReleaseNotified, "req-1", 1.5, from_engine="decode-0", consumer_rank=0)
     e.P.record(Freed, "req-1", 1.5)
-    e.finish_read("req-1", 1.6)
+    e.finish_read("req-1", 1.6)  # the ack at t=1.3 proves the lease until t=10.5
     code, out = _json(capsys, *e.close(), "--check")
-    assert code == 0 and out["violations"] == [] and out["freed_under_read"] == 0
+    assert code == 1 and out["freed_under_read"] == 1
+    assert [v["invariant"] for v in out["violations"]] == ["served_freed"]
+
+
+def test_bytes_served_beyond_what_the_acknowledgements_prove_are_a_violation(
+        tmp_path, capsys, monkeypatch):
+    """replay derives the proof from the log's events, not from the fold's verdict."""
+    from kvhandoff.core import lifecycle
+
+    # A core whose verdict ignores the lease bound, in the engine and in replay alike.
+    monkeypatch.setattr(lifecycle, "read_verdict_of", lambda rec: lifecycle.Verdict.CONFIRMED)
+    e = Engines(tmp_path)
+    e.start_read("req-1", 1.0)  # acknowledged: the lease is proven until t=10.5
+    e.finish_read("req-1", 12.0)
+    code, out = _json(capsys, *e.close(), "--check")
+    assert code == 1
+    unproven = [v for v in out["violations"] if v["invariant"] == "served_unproven"]
+    assert unproven and "until t=10.5" in unproven[0]["detail"]
+
+
+def test_a_d_log_alone_is_reported_and_fails_check_unless_partial(tmp_path, capsys):
+    e = Engines(tmp_path)
+    e.start_read("req-1", 1.0)
+    e.finish_read("req-1", 2.0)
+    p_path, d_path = e.close()
+    code, out = _json(capsys, d_path, "--check")
+    assert code == 1 and out["missing_producers"] == ["prefill-0"]
+    assert main(["replay", d_path, "--check"]) == 1
+    captured = capsys.readouterr()
+    assert "WARNING" in captured.out and "prefill-0" in captured.out
+    assert "--partial" in captured.err
+    code, out = _json(capsys, d_path, "--check", "--partial")
+    assert code == 0 and out["missing_producers"] == ["prefill-0"] and out["partial"]
+    code, out = _json(capsys, p_path, d_path, "--check")
+    assert code == 0 and out["missing_producers"] == []
 
 
 def test_release_by_another_engine_counts_as_freed_under_read(tmp_path, capsys):

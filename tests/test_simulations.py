@@ -25,7 +25,8 @@ ISSUE_SCENARIOS = [
     "partition_beyond_lease", "p_crash_mid_read", "d_crash_mid_read",
     "duplicate_release_notification", "stale_release_after_expiry", "release_from_wrong_peer",
     "tp2_split_reads", "split_failure_drains_others", "slow_engine_loop", "swarm",
-    "tp_ratio_split_reads",
+    "tp_ratio_split_reads", "impersonated_consumer", "retry_after_release",
+    "cancel_during_read_realistic",
 ]
 OPEN_RACES: set[str] = set()  # scenarios with a known, reported, unfixed race
 # CI sweeps 200 seeds of every scenario (3,600 runs); KVH_SIM_SEEDS=1000 for the full target.
@@ -100,6 +101,41 @@ def test_vllm_032_frees_on_a_stray_release_and_kvhandoffs_token_stops_it():
     new = sweep(["release_from_wrong_peer"], range(20), "kvhandoff")
     assert old.totals["freed_under_read"] > 0 and old.totals["served_corrupt"] > 0
     assert new.totals["freed_under_read"] == new.totals["served_corrupt"] == 0
+
+
+def test_an_impostor_with_the_consumers_name_and_token_frees_nothing_under_kvhandoff():
+    # P takes the sender from the transport peer, so copying the consumer's
+    # name, ranks and token does not make the impostor the consumer.
+    old = sweep(["impersonated_consumer"], range(20), "vllm-0.32")
+    new = sweep(["impersonated_consumer"], range(20), "kvhandoff")
+    assert old.totals["freed_under_read"] > 0 and old.totals["served_corrupt"] > 0
+    assert new.totals["freed_under_read"] == new.totals["served_corrupt"] == 0
+    assert new.totals["ignored_notifications"] > 0
+
+
+def test_a_second_reader_of_released_parameters_never_serves_them():
+    def retried(policy):
+        served = corrupt = 0
+        for seed in range(20):
+            world = World(build("retry_after_release", seed, policy))
+            result = world.run()
+            served += world.retry_outcomes["served"]
+            corrupt += result.metrics["served_corrupt"]
+        return served, corrupt
+
+    assert retried("vllm-0.32")[1] > 0  # vLLM reads the reused blocks and serves them
+    served, corrupt = retried("kvhandoff")
+    assert served == corrupt == 0  # P answers "gone" to the second reader: it fails
+
+
+def test_with_reads_of_realistic_length_vllm_032s_cancel_gap_does_not_show():
+    # The gap needs a READ that outlasts what is left of the lease after the last
+    # heartbeat (2/3 of it in vLLM 0.32, 20 s of a 30 s lease); the sub-second
+    # READs measured in FIELD_NOTES.md never do. cancel_during_read forces READs
+    # of 1.2-2.5 leases: its counts show the mechanism, not how often it bites.
+    old = sweep(["cancel_during_read_realistic"], range(20), "vllm-0.32")
+    assert old.totals["cancelled"] > 0
+    assert old.totals["freed_under_read"] == old.totals["served_corrupt"] == 0
 
 
 def test_vllm_032_serves_bytes_of_requests_that_reached_d_after_their_lease():
@@ -274,22 +310,22 @@ def test_check_safety_reports_a_double_free():
         world.check_safety()
 
 
-def test_check_safety_reports_a_read_in_flight_that_is_not_heartbeated():
-    world = World(build("cancel_during_read", 1))
-    seen = []
+def test_the_heartbeat_check_measures_what_was_sent_and_catches_vllm_032s_gap():
+    # The check reads the heartbeats D really sent, so a policy that stops them
+    # (vLLM 0.32 on a client cancel) fails it on a path the code really takes.
+    world = World(build("cancel_during_read", 1, "vllm-0.32"))
+    with pytest.raises(AssertionError, match="no heartbeat sent to it"):
+        world.run(on_step=World.check_heartbeats)
+    World(build("cancel_during_read", 1)).run(on_step=World.check_heartbeats)
 
-    def stop_heartbeating_after_cancel(w: World) -> None:
-        for rid, _ in w.d.handles.values():
-            rec = w.d.state.stream(w.d.stream).requests[rid]
-            if rec.cancelled:
-                from kvhandoff.core.lifecycle import DState
-                rec.state = DState.DONE  # as if it had been let go with its reads in flight
-                seen.append(rid)
-                w.check_safety()
 
-    with pytest.raises(AssertionError, match="not heartbeated"):
-        world.run(on_step=stop_heartbeating_after_cancel)
-    assert seen
+def test_check_safety_reports_bytes_served_without_proof():
+    world = World(build("partition_beyond_lease", 0, "vllm-0.32"))
+    result = world.run()
+    assert result.metrics["served_unproven"] > 0  # vLLM 0.32 has no acknowledgements
+    world.cfg.policy = "kvhandoff"  # hold it to kvhandoff's promises
+    with pytest.raises(AssertionError, match="unproven|differ"):
+        world.check_safety()
 
 
 def test_regression_a_request_first_heartbeated_at_admission_keeps_its_heartbeat_period():

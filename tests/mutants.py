@@ -1,0 +1,208 @@
+"""Mutation testing of the safety rules: each mutant is one plausible bug; the suite must fail.
+
+    python tests/mutants.py                 # every mutant (make mutants)
+    python tests/mutants.py --only drop_peer_binding
+    python tests/mutants.py --check         # only check that every mutant still applies
+
+Each mutant is a search/replace on one source file: its snippet must occur
+exactly once (a moved or edited rule fails loudly here, and the cheap CI test
+`tests/test_mutants.py` checks the same on every commit, so code motion cannot
+silently disable a mutant).  The tree is copied to a temporary directory, the
+mutant applied there (the worktree is never touched), and the copy is imported
+as ``kvhandoff`` through a ``PYTHONPATH`` shim.  Then, with the CI profile
+(``CI=1``):
+
+1. the model test alone (``tests/test_lifecycle_model.py``), and
+2. the non-vLLM suite (`SUITE`: core, model, policy, replay, messages, event
+   log, simulations, sim transport), stopping at the first failure,
+
+and a table says which killed it.  Exit status 1 if any mutant survived.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# The non-vLLM CI suite, quickest first (pytest -x stops at the first failure).
+SUITE = (
+    "tests/test_lifecycle.py", "tests/test_policy.py", "tests/test_replay.py",
+    "tests/test_messages.py", "tests/test_event_log.py", "tests/test_lifecycle_model.py",
+    "tests/test_transport_sim.py", "tests/test_simulations_hypothesis.py",
+    "tests/test_simulations_cli.py", "tests/test_simulations_determinism.py",
+    "tests/test_simulations.py",
+)
+MODEL_TEST = "tests/test_lifecycle_model.py"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # relative to the repository root
+    old: str
+    new: str
+    what: str
+
+
+class MutantStale(Exception):
+    """A mutant's snippet no longer occurs exactly once: the code moved."""
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant("stop_heartbeat_on_cancel", "core/policy.py",
+           "        if rec.state in HEARTBEAT_STATES:\n",
+           "        if rec.state in HEARTBEAT_STATES and not rec.cancelled:\n",
+           "D stops heartbeating a request when the client cancels, reads or not"),
+    Mutant("skip_lease_bound_in_verdict", "core/lifecycle.py",
+           "        elif done > rec.safe_until.get(rank, -math.inf):\n",
+           "        elif rank not in rec.safe_until:\n",
+           "any acknowledgement confirms a read, however late it completed"),
+    Mutant("free_twice_on_duplicate_release", "core/lifecycle.py",
+           '    ("release_notified", _IGNORED_P, "=", _ignore("after_release"), None),\n',
+           '    ("release_notified", _IGNORED_P, P.RELEASED, _end("released"), None),\n',
+           "a release after the free releases (and so frees) the request again"),
+    Mutant("drop_peer_binding", "core/lifecycle.py",
+           "    if rec.consumer and engine != rec.consumer:\n"
+           "        ss.ignored[\"wrong_peer\"] += 1\n        return False\n",
+           "",
+           "P takes heartbeats and releases from any engine that has the token"),
+    Mutant("accept_release_without_token", "core/lifecycle.py",
+           "    if rec.token and token != rec.token:\n",
+           "    if rec.token and token and token != rec.token:\n",
+           "a heartbeat or release with no token passes the token check"),
+    Mutant("lease_bound_from_receipt", "core/lifecycle.py",
+           "ev.sent_at + max(min(ev.time_left, rec.lease_s) - rec.margin, 0.0))\n",
+           "ev.t + max(min(ev.time_left, rec.lease_s) - rec.margin, 0.0))\n",
+           "D bounds the lease from when the answer arrived, not from when it asked"),
+    Mutant("count_duplicate_rank_release", "core/lifecycle.py",
+           "    if ev.consumer_rank in rec.notified:\n"
+           "        ss.ignored[\"duplicate_release\"] += 1\n        return None\n",
+           "",
+           "a consumer rank's second release counts as another rank's"),
+    Mutant("release_at_post_time", "simulations/decode.py",
+           "            self.reading[rid] = imp\n",
+           "            self.reading[rid] = imp\n"
+           "            self._release(rid, range(len(self.agents)))\n",
+           "D releases P's blocks when it posts the READs"),
+    Mutant("serve_unconfirmed_reads", "simulations/decode.py",
+           "            serve = (self.policy.serve_unconfirmed and not rec.cancelled\n",
+           "            serve = (not rec.cancelled\n",
+           "D serves reads still unproven when it gives up waiting for P's word"),
+    Mutant("never_expire_leases", "core/policy.py",
+           "            if rec.state is PState.EXPORTED and t >= rec.deadline]\n",
+           "            if rec.state is PState.EXPORTED and t >= rec.deadline and False]\n",
+           "P never reaps an expired lease"),
+    Mutant("released_answer_is_proof", "core/lifecycle.py",
+           "    rank = ev.p_rank\n    if ev.time_left > 0:\n",
+           "    rank = ev.p_rank\n    if ev.time_left == 0:\n"
+           "        rec.safe_until[rank] = math.inf\n        return rec\n"
+           "    if ev.time_left > 0:\n",
+           "a 'released' answer confirms every read (the stale-own-release gap)"),
+    Mutant("release_with_the_read", "simulations/policies.py",
+           '                         mint_tokens=True)\n',
+           '                         mint_tokens=True, release_with_reads=True)\n',
+           "kvhandoff's D lets each READ carry its release, before finished_recving"),
+)
+
+
+def mutate(root: pathlib.Path, mutant: Mutant) -> None:
+    """Apply ``mutant`` to the tree at ``root``; raise `MutantStale` unless it matches once."""
+    path = root / mutant.path
+    text = path.read_text()
+    found = text.count(mutant.old)
+    if found != 1:
+        raise MutantStale(f"mutant {mutant.name}: its snippet occurs {found} times in "
+                          f"{mutant.path} (expected once): update tests/mutants.py")
+    path.write_text(text.replace(mutant.old, mutant.new))
+
+
+def _copy_tree(dst: pathlib.Path) -> pathlib.Path:
+    tree = dst / "kvhandoff"
+    shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(
+        ".git", "__pycache__", ".hypothesis", ".pytest_cache", ".venv", ".pyshim", "*.egg-info"))
+    return tree
+
+
+def _pytest(tree: pathlib.Path, files: tuple[str, ...] | list[str], timeout: int) -> tuple[bool, str]:
+    """Run pytest in ``tree`` (imported as kvhandoff): (passed, first failing test)."""
+    env = dict(os.environ, CI="1", PYTHONPATH=str(tree.parent), PYTHONDONTWRITEBYTECODE="1")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-rf", "-p", "no:cacheprovider",
+             "-p", "no:randomly", *files],
+            cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, f"(timed out after {timeout}s)"
+    failed = re.findall(r"^FAILED (\S+)", proc.stdout, re.M)
+    if proc.returncode == 0:
+        return True, ""
+    return False, failed[0] if failed else f"(exit {proc.returncode})"
+
+
+def run(mutants: list[Mutant], timeout: int) -> list[dict]:
+    rows = []
+    for mutant in mutants:
+        with tempfile.TemporaryDirectory(prefix="kvh-mutant-") as tmp:
+            tree = _copy_tree(pathlib.Path(tmp))
+            mutate(tree, mutant)
+            start = time.perf_counter()
+            model_passed, model_failure = _pytest(tree, [MODEL_TEST], timeout)
+            suite_passed, suite_failure = _pytest(tree, SUITE, timeout)
+            rows.append({"mutant": mutant.name, "what": mutant.what,
+                         "model": not model_passed, "suite": not suite_passed,
+                         "first_failure": suite_failure or model_failure,
+                         "seconds": round(time.perf_counter() - start, 1)})
+        print(_row(rows[-1]), flush=True)
+    return rows
+
+
+def _row(r: dict) -> str:
+    killed = "killed" if r["suite"] else "**SURVIVED**"
+    model = "killed" if r["model"] else "survived"
+    return f"| `{r['mutant']}` | {r['what']} | {model} | {killed} | `{r['first_failure']}` |"
+
+
+HEADER = ("| mutant | the bug | model test | CI-profile suite | first failing test |\n"
+          "|---|---|---|---|---|")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", action="append", metavar="NAME", help="run only this mutant")
+    ap.add_argument("--check", action="store_true", help="only check that every mutant applies")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per pytest run")
+    args = ap.parse_args(argv)
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    if args.only and len(chosen) != len(args.only):
+        ap.error(f"unknown mutant in {args.only}; known: {', '.join(m.name for m in MUTANTS)}")
+    with tempfile.TemporaryDirectory(prefix="kvh-mutant-check-") as tmp:
+        for m in chosen:  # fail loudly before spending minutes on the others
+            tree = pathlib.Path(tmp) / m.name
+            tree.mkdir()
+            (tree / m.path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / m.path, tree / m.path)
+            mutate(tree, m)
+    if args.check:
+        print(f"{len(chosen)} mutants apply")
+        return 0
+    print(f"{len(chosen)} mutants, suite: {' '.join(SUITE)} (CI=1), {time.strftime('%Y-%m-%d')}")
+    print(HEADER, flush=True)
+    rows = run(chosen, args.timeout)
+    survived = [r["mutant"] for r in rows if not r["suite"]]
+    print(f"\n{len(rows) - len(survived)} of {len(rows)} killed by the suite, "
+          f"{sum(r['model'] for r in rows)} by the model test alone"
+          + (f"; SURVIVED: {', '.join(survived)}" if survived else ""))
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
