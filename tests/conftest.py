@@ -5,6 +5,7 @@ Hypothesis: the ``ci`` profile (derandomised, no example database) is used when
 """
 
 import os
+import threading
 
 from hypothesis import HealthCheck, settings
 
@@ -20,15 +21,22 @@ def wait_for(predicate, timeout, what, interval=0.02):
     The one way tests wait for something to happen (an event in a log, a
     counter, a state of the fold): never a bare sleep standing in for it.
     """
-    import threading
     import time
 
     deadline = time.monotonic() + timeout
-    pause = threading.Event()
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what}")
-        pause.wait(interval)
+        poll_pause(interval)
+
+
+_PAUSE = threading.Event()  # never set: waiting on it is a pause that needs no clock import
+
+
+def poll_pause(seconds: float) -> None:
+    """The interval of a loop that polls for an event under a bound (`wait_for`, a
+    transport pair's ``pump``); never synchronisation on its own."""
+    _PAUSE.wait(seconds)

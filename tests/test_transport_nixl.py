@@ -15,6 +15,8 @@ import pytest
 
 pytest.importorskip("nixl")
 
+from conftest import poll_pause  # noqa: E402
+
 from kvhandoff.core.planning import coalesce  # noqa: E402
 from kvhandoff.transports.base import Completion, KVRegion, ReadRequest  # noqa: E402
 from kvhandoff.transports.nixl import NixlOptions, NixlTransport, TransportProcess  # noqa: E402
@@ -62,7 +64,7 @@ def nixl_host_pair(p_shapes: list[RegionShape], d_shapes: list[RegionShape],
 
 def _pump(d: NixlTransport) -> None:
     d.progress()  # READs in flight move (and send their notifications) only when checked
-    time.sleep(0.0005)
+    poll_pause(0.0005)
 
 
 class TestNixlHostContract(TransportContract):

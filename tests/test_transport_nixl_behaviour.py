@@ -22,6 +22,8 @@ from structlog.testing import capture_logs
 
 pytest.importorskip("nixl")
 
+from conftest import wait_for  # noqa: E402
+
 from kvhandoff.core.planning import BlockRun, coalesce  # noqa: E402
 from kvhandoff.transports.base import (  # noqa: E402
     KVRegion,
@@ -339,13 +341,7 @@ def _names(tag: str) -> tuple[str, str]:
 
 
 def _wait(cond, what: str, timeout_s: float = 20.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.001)
-    raise AssertionError(f"gave up waiting for {what}")
+    return wait_for(cond, timeout_s, what, interval=0.001)
 
 
 def _completions(d: NixlTransport, n: int) -> list:

@@ -23,6 +23,8 @@ DRY_RUN = os.environ.get("KVH_NIXL_GPU_TESTS_ON_CPU") == "1"
 pytestmark = pytest.mark.skipif(not (DRY_RUN or torch.cuda.is_available()),
                                 reason="needs a CUDA GPU")
 
+from conftest import poll_pause  # noqa: E402
+
 from kvhandoff.core.groups import (  # noqa: E402
     CacheGroup,
     CacheKind,
@@ -85,7 +87,7 @@ def vram_pair(p_shapes: list[RegionShape], d_shapes: list[RegionShape]) -> Trans
 
     def pump() -> None:
         d.progress()
-        time.sleep(0.0005)
+        poll_pause(0.0005)
 
     def close() -> None:
         try:
