@@ -259,11 +259,15 @@ def test_the_clean_up_request_is_marked_and_keeps_its_identity():
 
 
 @pytest.mark.parametrize(("entries", "host", "port", "allowed"), [
-    (None, "127.0.0.1", 5600, True), (None, "localhost", 1, True), (None, "::1", 9, True),
+    (None, "127.0.0.1", 5600, True), (None, "localhost", 1, True),
     (None, "10.0.0.11", 5600, False), (None, "evil.example", 5600, False),
     (["10.0.0.0/24:5600"], "10.0.0.11", 5600, True), (["10.0.0.0/24:5600"], "10.0.0.11", 5601, False),
-    (["p0.example"], "P0.example", 7, True), (["[::1]:7"], "::1", 7, True),
-    (["[::1]:7"], "127.0.0.1", 7, False),
+    (["p0.example"], "P0.example", 7, True),
+    # What D could never dial as written, or would dial somewhere else:
+    (None, "::1", 9, False), (None, "::1%;192.0.2.1", 5600, False),
+    (["127.0.0.0/8"], "127.0.0.1%eth0", 5600, False), (["127.0.0.1"], "127.0.0.1", 65536, False),
+    (["127.0.0.1"], "127.0.0.1", 0, False), (["localhost"], "localhost:99", 5600, False),
+    (["127.0.0.0/8"], "127.1", 5600, False),
 ])
 def test_trusted_producers(entries, host, port, allowed):
     from kvhandoff.adapters.vllm.trust import TrustedProducers, UntrustedProducer
@@ -276,7 +280,8 @@ def test_trusted_producers(entries, host, port, allowed):
             t.check(host, port)
 
 
-@pytest.mark.parametrize("bad", [[], "127.0.0.1", [3], ["x:99999"], ["a/b"], ["[::1]x"]])
+@pytest.mark.parametrize("bad", [[], "127.0.0.1", [3], ["x:99999"], ["a/b"], ["[::1]x"], ["::1"],
+                                 ["[::1]:7"], ["fe80::/10"], ["fe80::1%eth0"]])
 def test_bad_trusted_producers_refused_at_start(bad):
     with pytest.raises(ConnectorConfigError, match="trusted_producers"):
         HandoffConfig.from_extra({"trusted_producers": bad}, env={})

@@ -321,19 +321,24 @@ def test_an_exception_in_any_per_request_path_fails_only_that_request(workers, m
     assert a["replay_violations"] == 0 and a["double_frees"] == 0, a["violations"]
 
 
-def test_an_untrusted_producer_gets_not_a_single_packet(tmp_path):
-    extra = {"lease_s": LEASE, "log_dir": str(tmp_path), "trusted_producers": ["10.1.2.3"]}
-    d = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "D-t", Side.D, 0, 1, COMPAT)
+@pytest.mark.parametrize(("trusted", "port", "rank"), [
+    (["10.1.2.3"], 5600, 0),
+    (["127.0.0.1:5600"], 5600, 1),  # D rank 1 dials 5601: the entry names 5600 only
+    (["127.0.0.1"], 65535, 1),  # 65535 + 1 is no port at all
+])
+def test_an_untrusted_producer_gets_not_a_single_packet(tmp_path, trusted, port, rank):
+    extra = {"lease_s": LEASE, "log_dir": str(tmp_path), "trusted_producers": trusted}
+    d = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "D-t", Side.D, rank, 2, COMPAT)
     try:
         d.register_kv_caches(_caches(False))
-        params = _params("r8", _port(), (1,), "tok-8")
+        params = _params("r8", port, (1,), "tok-8")
         with capture_logs() as logs:
             d.start_step(StepPlan(admits=[Admit("L8", params, "", BLOCK)], reads=[Read("L8", [[1]])]))
             _, recved, failed = d.finish_step()
         assert recved == failed == {"L8"}
         assert d._handshakes == {} and d._peers == {}  # no handshake was even started
         (entry,) = [e for e in logs if e["log_level"] == "error"]
-        assert "UntrustedProducer" in entry["error"] and "trusted_producers" in entry["error"]
+        assert "UntrustedProducer" in entry["error"] and f"{port + rank}" in entry["error"]
     finally:
         d.close()
 
