@@ -285,3 +285,27 @@ def test_trusted_producers(entries, host, port, allowed):
 def test_bad_trusted_producers_refused_at_start(bad):
     with pytest.raises(ConnectorConfigError, match="trusted_producers"):
         HandoffConfig.from_extra({"trusted_producers": bad}, env={})
+
+
+class _RefusingList(list):
+    def append(self, item):
+        raise RuntimeError("injected: the plan refuses the cancel")
+
+
+def test_request_finished_that_raises_never_frees_pages_a_read_may_own():
+    s = _sched(producer=False)
+    r = _request("reading", params=GOOD.to_wire())
+    s.on_new_request(r)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, _blocks([4, 5]), 300)  # a READ into blocks 4, 5 goes out
+    s.build_plan()
+    s._plan.cancels = _RefusingList()
+    with capture_logs() as logs:
+        assert s.request_finished(r, ([4, 5],)) == (True, None)  # delay the free: the READ owns them
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == [
+        "vllm.scheduler.request_error", "vllm.scheduler.cancel_not_planned"]
+    s._plan.cancels = []
+    idle = _request("idle", params=GOOD.to_wire())  # never allocated: nothing to protect
+    s.on_new_request(idle)
+    s._plan.cancels = _RefusingList()
+    assert s.request_finished(idle, ([],)) == (False, None)
