@@ -309,3 +309,9 @@ def test_request_finished_that_raises_never_frees_pages_a_read_may_own():
     s.on_new_request(idle)
     s._plan.cancels = _RefusingList()
     assert s.request_finished(idle, ([],)) == (False, None)
+
+
+@pytest.mark.parametrize("lease", [float("inf"), float("nan"), 86400.5])
+def test_a_lease_d_could_not_remember_is_refused(lease):
+    with pytest.raises(MalformedTransferParams, match="lease_s"):
+        parse_remote_prefill({**GOOD.to_wire(), "lease_s": lease})

@@ -480,3 +480,31 @@ def test_a_failing_log_write_never_reaches_vllm(workers, monkeypatch):
     monkeypatch.undo()  # the disk has room again: what was buffered reaches the file
     p.flush(), d.flush()
     assert _kinds(p, "r13")[-1] == "freed" and _kinds(d, "r13")[-1] == "release_sent"
+
+
+def test_d_remembers_a_request_for_two_of_the_requests_leases_when_longer(workers):
+    p, d, pc, dc, port = workers
+    long_lease = LEASE * 10  # P's lease, longer than D's cfg.lease_s
+    _export(p, "r14", 1, "tok-14")
+    params = RemotePrefill("P-w", "r14", "127.0.0.1", port, 1, (16,), BLOCK, long_lease,
+                           token="tok-14").to_wire()
+    d.start_step(StepPlan(admits=[Admit("L14", params, "", BLOCK)], reads=[Read("L14", [[16]])]))
+    _pump(p, d, lambda s, r, f: "r14" in s and "L14" in r)
+    ended = d.state.record(d.stream, "r14").t_end
+    d._prune(ended + 2 * LEASE + 1)  # past two of D's leases, inside two of the request's
+    assert _d_state(d, "r14") is DState.DONE  # still single-use: a retry is refused
+    d._prune(ended + 2 * long_lease + 1)
+    assert _d_state(d, "r14") is None
+
+
+def test_another_producers_request_with_a_known_id_is_not_called_a_reuse(workers):
+    p, d, pc, dc, port = workers
+    _done_handoff(p, d, port, "r15", "L15", (17,), "tok-15", [17])
+    other = RemotePrefill("P-other", "r15", "127.0.0.1", port, 1, (17,), BLOCK, LEASE,
+                          token="x").to_wire()
+    with capture_logs() as logs:
+        d.start_step(StepPlan(admits=[Admit("L15b", other, "", BLOCK)], reads=[Read("L15b", [[18]])]))
+        _, recved, failed = _pump(p, d, lambda s, r, f: "L15b" in r)
+    assert failed == {"L15b"} and _kinds(d, "r15").count("reads_posted") == 1
+    (entry,) = [e for e in logs if e["log_level"] == "error"]
+    assert "collides" in entry["error"] and "P-other" in entry["error"] and "single-use" not in entry["error"]

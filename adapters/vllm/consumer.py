@@ -264,13 +264,21 @@ class ConsumerHalf:
 
         Parameters are single-use: a second request naming a P request this D
         took (in any state, released included, until the record is pruned two
-        to three leases after it ended) must never read P's blocks again; it
+        to three leases after it ended, the request's lease if longer than
+        D's) must never read P's blocks again; it
         fails.  (Past that, P has long freed the blocks and answers "gone":
         D refuses the bytes as unproven.)
         """
         rec = self._rec(remote.request_id)
         if not isinstance(rec, ConsumerRecord):
             return False
+        if rec.remote_engine != remote.engine_id:
+            # Another P's request under the same id: not a reuse, but the fold
+            # (one record per request id) cannot hold both until it is pruned.
+            raise MalformedTransferParams(
+                f"remote_request_id {remote.request_id!r} of {remote.engine_id!r} collides with "
+                f"the request of {rec.remote_engine!r} this D still knows (local request "
+                f"{rec.local_id!r}, state {rec.state.value})")
         if cleanup:
             log.info("vllm.worker.cleanup_of_known_request", local_request_id=local_id,
                      request_id=remote.request_id, state=rec.state.value)

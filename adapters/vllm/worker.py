@@ -249,11 +249,23 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
             self._notif_thread.start()
 
     def _prune(self, now: float) -> None:
-        # Keep finished records one lease (late notifications get precise
-        # answers), then forget them so a long-running engine stays bounded.
-        if now - self._last_prune >= self.cfg.lease_s:
-            self._last_prune = now
-            prune_terminal(self.state, self.stream, now - 2 * self.cfg.lease_s)
+        """Forget finished records two leases after they ended (the request's lease if longer).
+
+        Until then late notifications get precise answers and, on D, the
+        request's transfer parameters stay single-use (`_known`) for as long
+        as P may still hold its blocks.  The core prunes by one cut-off
+        time: it is lowered to the end of the earliest record that must stay,
+        so a longer lease is never cut short (its neighbours wait a little).
+        """
+        if now - self._last_prune < self.cfg.lease_s:
+            return
+        self._last_prune = now
+        before = now - 2 * self.cfg.lease_s
+        ss = self.state.streams.get(self.stream)
+        for rec in ss.requests.values() if ss is not None else ():
+            if rec.t_end < before and rec.t_end + 2 * max(self.cfg.lease_s, rec.lease_s) >= now:
+                before = rec.t_end
+        prune_terminal(self.state, self.stream, before)
 
     # ---- the two per-step entry points ------------------------------------
 
