@@ -32,3 +32,25 @@ def wait_for(predicate, timeout, what, interval=0.02):
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout:.1f}s waiting for {what}")
         pause.wait(interval)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "phase(n): run after the module's tests of lower phases (default 0); for "
+                   "tests that need all earlier traffic (1) or stop shared engines (2, 3, ...)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Within each module, run tests by ``phase`` (a stable sort: file order otherwise).
+
+    Modules stay contiguous, so a module-scoped fixture (the serve route's
+    engines) is built once.
+    """
+    first_seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(item.nodeid.split("::")[0], i)
+
+    def key(item):
+        marker = item.get_closest_marker("phase")
+        return first_seen[item.nodeid.split("::")[0]], marker.args[0] if marker else 0
+    items.sort(key=key)
