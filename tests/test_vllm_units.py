@@ -352,6 +352,11 @@ elif previous == "none":  # a handler not installed from Python reads as None
     signal.getsignal = lambda sig: None if sig == signal.SIGTERM else real(sig)
 w = HandoffWorker(HandoffConfig.from_extra({"log_dir": log_dir}, env={}), "E", Side.P, 0, 1, {})
 connector._WORKERS.add(w)
+off_main = threading.Thread(target=connector._flush_on_exit)  # cannot set signal handlers
+off_main.start()
+off_main.join()
+if getattr(connector._flush_on_exit, "installed", False):
+    sys.exit(10)  # claimed installed: the main thread's call below would do nothing
 connector._flush_on_exit()
 for i in range(50):  # recorded, never flushed: they sit in the writer's buffer
     w.ledger.record(PrefillStarted, f"r{i}", float(i))
