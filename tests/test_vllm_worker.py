@@ -508,3 +508,21 @@ def test_another_producers_request_with_a_known_id_is_not_called_a_reuse(workers
     assert failed == {"L15b"} and _kinds(d, "r15").count("reads_posted") == 1
     (entry,) = [e for e in logs if e["log_level"] == "error"]
     assert "collides" in entry["error"] and "P-other" in entry["error"] and "single-use" not in entry["error"]
+
+
+def test_a_deferred_heartbeat_that_raises_costs_only_itself(workers, monkeypatch):
+    p, d, pc, dc, port = workers
+    answered: list[tuple[str, ...]] = []
+    real = p._p_heartbeat
+
+    def answer(peer, msg, now, since):
+        if "a" in msg.request_ids:
+            raise RuntimeError("injected into one deferred heartbeat, every time")
+        answered.append(msg.request_ids)
+        return real(peer, msg, now, since)
+    monkeypatch.setattr(p, "_p_heartbeat", answer)
+    with p.lock:  # two heartbeats that came before P folded the exports
+        t = time.monotonic()
+        p._deferred += [(t, "no-peer", messages.Heartbeat("D-x", 0, t, (rid,), ()))
+                        for rid in ("a", "b")]
+    wait_for(lambda: ("b",) in answered, 5, "the deferred heartbeat of b to be answered")
