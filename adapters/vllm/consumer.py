@@ -8,7 +8,9 @@ Nothing a request carries may stop the engine: each per-request step runs
 under `_contained`, which turns an exception into `_give_up` for that
 request (logged once; the fold refuses what it must, P is released
 notify-only when no read owns its blocks, vLLM hears ``failed_recving``
-exactly once) and carries on with the next request.
+exactly once) and carries on with the next request.  A request whose path
+fails again after that is ended for good (`_end_for_good`): reported failed
+once its READs drained, then forgotten, so P frees it by lease.
 """
 
 from __future__ import annotations

@@ -32,7 +32,9 @@ The event log is written to the OS (``write``, not ``fsync``) at the end of
 every ``start_step`` / ``finish_step`` and every pass of P's notification
 thread (at most ``idle_poll_s`` apart): a live engine's log is current to its
 last step, and a ``kill -9`` loses at most the step in progress (and may tear
-the last line).  SIGTERM / SIGINT flush too (`durable`).
+the last line).  SIGTERM / SIGINT flush too (`connector.flush_all_logs`).  A
+write that fails (``OSError``) is counted and the log marked degraded
+(`_flush_log`); it never reaches vLLM's engine loop.
 """
 
 from __future__ import annotations
