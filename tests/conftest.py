@@ -40,3 +40,25 @@ def poll_pause(seconds: float) -> None:
     """The interval of a loop that polls for an event under a bound (`wait_for`, a
     transport pair's ``pump``); never synchronisation on its own."""
     _PAUSE.wait(seconds)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "phase(n): run after the module's tests of lower phases (default 0); for "
+                   "tests that need all earlier traffic (1) or stop shared engines (2, 3, ...)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Within each module, run tests by ``phase`` (a stable sort: file order otherwise).
+
+    Modules stay contiguous, so a module-scoped fixture (the serve route's
+    engines) is built once.
+    """
+    first_seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(item.nodeid.split("::")[0], i)
+
+    def key(item):
+        marker = item.get_closest_marker("phase")
+        return first_seen[item.nodeid.split("::")[0]], marker.args[0] if marker else 0
+    items.sort(key=key)

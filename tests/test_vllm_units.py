@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
+from conftest import wait_for
 from structlog.testing import capture_logs
 
 from kvhandoff.adapters.vllm.config import ConnectorConfigError, HandoffConfig
@@ -259,11 +264,15 @@ def test_the_clean_up_request_is_marked_and_keeps_its_identity():
 
 
 @pytest.mark.parametrize(("entries", "host", "port", "allowed"), [
-    (None, "127.0.0.1", 5600, True), (None, "localhost", 1, True), (None, "::1", 9, True),
+    (None, "127.0.0.1", 5600, True), (None, "localhost", 1, True),
     (None, "10.0.0.11", 5600, False), (None, "evil.example", 5600, False),
     (["10.0.0.0/24:5600"], "10.0.0.11", 5600, True), (["10.0.0.0/24:5600"], "10.0.0.11", 5601, False),
-    (["p0.example"], "P0.example", 7, True), (["[::1]:7"], "::1", 7, True),
-    (["[::1]:7"], "127.0.0.1", 7, False),
+    (["p0.example"], "P0.example", 7, True),
+    # What D could never dial as written, or would dial somewhere else:
+    (None, "::1", 9, False), (None, "::1%;192.0.2.1", 5600, False),
+    (["127.0.0.0/8"], "127.0.0.1%eth0", 5600, False), (["127.0.0.1"], "127.0.0.1", 65536, False),
+    (["127.0.0.1"], "127.0.0.1", 0, False), (["localhost"], "localhost:99", 5600, False),
+    (["127.0.0.0/8"], "127.1", 5600, False),
 ])
 def test_trusted_producers(entries, host, port, allowed):
     from kvhandoff.adapters.vllm.trust import TrustedProducers, UntrustedProducer
@@ -276,7 +285,111 @@ def test_trusted_producers(entries, host, port, allowed):
             t.check(host, port)
 
 
-@pytest.mark.parametrize("bad", [[], "127.0.0.1", [3], ["x:99999"], ["a/b"], ["[::1]x"]])
+@pytest.mark.parametrize("bad", [[], "127.0.0.1", [3], ["x:99999"], ["a/b"], ["[::1]x"], ["::1"],
+                                 ["[::1]:7"], ["fe80::/10"], ["fe80::1%eth0"]])
 def test_bad_trusted_producers_refused_at_start(bad):
     with pytest.raises(ConnectorConfigError, match="trusted_producers"):
         HandoffConfig.from_extra({"trusted_producers": bad}, env={})
+
+
+class _RefusingList(list):
+    def append(self, item):
+        raise RuntimeError("injected: the plan refuses the cancel")
+
+
+def test_request_finished_that_raises_never_frees_pages_a_read_may_own():
+    s = _sched(producer=False)
+    r = _request("reading", params=GOOD.to_wire())
+    s.on_new_request(r)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, _blocks([4, 5]), 300)  # a READ into blocks 4, 5 goes out
+    s.build_plan()
+    s._plan.cancels = _RefusingList()
+    with capture_logs() as logs:
+        assert s.request_finished(r, ([4, 5],)) == (True, None)  # delay the free: the READ owns them
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == [
+        "vllm.scheduler.request_error", "vllm.scheduler.cancel_not_planned"]
+    s._plan.cancels = []
+    idle = _request("idle", params=GOOD.to_wire())  # never allocated: nothing to protect
+    s.on_new_request(idle)
+    s._plan.cancels = _RefusingList()
+    assert s.request_finished(idle, ([],)) == (False, None)
+
+
+@pytest.mark.parametrize("lease", [float("inf"), float("nan"), 86400.5])
+def test_a_lease_d_could_not_remember_is_refused(lease):
+    with pytest.raises(MalformedTransferParams, match="lease_s"):
+        parse_remote_prefill({**GOOD.to_wire(), "lease_s": lease})
+
+
+def test_write_tokenizer_leaves_unchanged_files_alone(tmp_path):
+    from kvhandoff.adapters.vllm.tiny_model import write_tokenizer
+
+    write_tokenizer(tmp_path)
+    stamps = {f.name: f.stat().st_mtime_ns for f in tmp_path.iterdir()}
+    for f in tmp_path.iterdir():
+        os.utime(f, ns=(1, 1))  # an engine reading them must not see them rewritten
+    write_tokenizer(tmp_path)
+    assert {f.name: f.stat().st_mtime_ns for f in tmp_path.iterdir()} == dict.fromkeys(stamps, 1)
+
+
+_SIGNAL_CHILD = r"""
+import signal, sys, threading
+from pathlib import Path
+from kvhandoff.adapters.vllm import connector
+from kvhandoff.adapters.vllm.config import HandoffConfig
+from kvhandoff.adapters.vllm.worker import HandoffWorker
+from kvhandoff.core.events import PrefillStarted, Side
+
+log_dir, previous = sys.argv[1], sys.argv[2]
+if previous == "python":
+    def handler(signum, frame):
+        Path(log_dir, "previous-ran").write_text(str(signum))
+        sys.exit(3)
+    signal.signal(signal.SIGTERM, handler)
+elif previous == "none":  # a handler not installed from Python reads as None
+    real = signal.getsignal
+    signal.getsignal = lambda sig: None if sig == signal.SIGTERM else real(sig)
+w = HandoffWorker(HandoffConfig.from_extra({"log_dir": log_dir}, env={}), "E", Side.P, 0, 1, {})
+connector._WORKERS.add(w)
+off_main = threading.Thread(target=connector._flush_on_exit)  # cannot set signal handlers
+off_main.start()
+off_main.join()
+if getattr(connector._flush_on_exit, "installed", False):
+    sys.exit(10)  # claimed installed: the main thread's call below would do nothing
+connector._flush_on_exit()
+for i in range(50):  # recorded, never flushed: they sit in the writer's buffer
+    w.ledger.record(PrefillStarted, f"r{i}", float(i))
+Path(log_dir, "ready").write_text(str(Path(w.log_path).stat().st_size))
+threading.Event().wait(60)
+sys.exit(0)  # never reached: the signal ends the process
+"""
+
+
+def test_sigterm_flushes_the_log_then_does_what_the_previous_handler_would(tmp_path):
+    """One child per previous handler (run side by side: each imports vLLM's connector base)."""
+    pytest.importorskip("vllm")
+    from kvhandoff.core.log import read_log
+
+    expected = {"python": 3, "default": -signal.SIGTERM, "none": -signal.SIGTERM}
+    children = {}
+    try:
+        for previous in expected:
+            (tmp_path / previous).mkdir()
+            children[previous] = subprocess.Popen(
+                [sys.executable, "-c", _SIGNAL_CHILD, str(tmp_path / previous), previous],
+                stdout=subprocess.DEVNULL)
+        for previous, child in children.items():
+            ready = wait_for(lambda d=tmp_path / previous: (d / "ready").exists()
+                             and (d / "ready").read_text(), 300, f"the {previous!r} child")
+            assert ready == "0", ready  # nothing on disk before the signal
+            child.send_signal(signal.SIGTERM)
+        for previous, child in children.items():
+            assert child.wait(timeout=60) == expected[previous], previous
+            evs = read_log(tmp_path / previous / "E.P0.jsonl")
+            assert [e.request_id for e in evs] == [f"r{i}" for i in range(50)], previous
+            assert (tmp_path / previous / "previous-ran").exists() is (previous == "python")
+    finally:
+        for child in children.values():
+            if child.poll() is None:
+                child.kill()

@@ -321,19 +321,24 @@ def test_an_exception_in_any_per_request_path_fails_only_that_request(workers, m
     assert a["replay_violations"] == 0 and a["double_frees"] == 0, a["violations"]
 
 
-def test_an_untrusted_producer_gets_not_a_single_packet(tmp_path):
-    extra = {"lease_s": LEASE, "log_dir": str(tmp_path), "trusted_producers": ["10.1.2.3"]}
-    d = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "D-t", Side.D, 0, 1, COMPAT)
+@pytest.mark.parametrize(("trusted", "port", "rank"), [
+    (["10.1.2.3"], 5600, 0),
+    (["127.0.0.1:5600"], 5600, 1),  # D rank 1 dials 5601: the entry names 5600 only
+    (["127.0.0.1"], 65535, 1),  # 65535 + 1 is no port at all
+])
+def test_an_untrusted_producer_gets_not_a_single_packet(tmp_path, trusted, port, rank):
+    extra = {"lease_s": LEASE, "log_dir": str(tmp_path), "trusted_producers": trusted}
+    d = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "D-t", Side.D, rank, 2, COMPAT)
     try:
         d.register_kv_caches(_caches(False))
-        params = _params("r8", _port(), (1,), "tok-8")
+        params = _params("r8", port, (1,), "tok-8")
         with capture_logs() as logs:
             d.start_step(StepPlan(admits=[Admit("L8", params, "", BLOCK)], reads=[Read("L8", [[1]])]))
             _, recved, failed = d.finish_step()
         assert recved == failed == {"L8"}
         assert d._handshakes == {} and d._peers == {}  # no handshake was even started
         (entry,) = [e for e in logs if e["log_level"] == "error"]
-        assert "UntrustedProducer" in entry["error"] and "trusted_producers" in entry["error"]
+        assert "UntrustedProducer" in entry["error"] and f"{port + rank}" in entry["error"]
     finally:
         d.close()
 
@@ -364,3 +369,160 @@ def test_an_exception_answering_one_notification_costs_only_that_one(workers, mo
     assert fired and [e["event"] for e in logs if e["log_level"] == "error"] == [
         "vllm.worker.notification_error"]
     assert _same(pc, dc, (12,), (12,)) and _kinds(p, "r10").count("freed") == 1
+
+
+def _explode_always(monkeypatch, worker, name, hits, fired):
+    real = getattr(worker, name)
+
+    def step(*args, **kwargs):
+        if hits(*args, **kwargs):
+            fired.append(name)
+            raise RuntimeError(f"injected into {name}, every time")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(worker, name, step)
+
+
+@pytest.mark.parametrize("path", ["completion", "report", "in_flight"])
+def test_a_request_that_fails_every_step_ends_once_and_p_frees_it_by_lease(workers, monkeypatch, path):
+    """A per-request path that raises every time ends the request after the second error.
+
+    vLLM hears ``failed_recving`` once; D forgets it so its heartbeats stop
+    and P frees by lease, but only after the READs drained: with a READ
+    still in flight (``in_flight``) the lease outlives it.
+    """
+    p, d, pc, dc, port = workers
+    _export(p, "good", 2, "tok-g")
+    _export(p, "bad", 2, "tok-b")
+    fired: list[str] = []
+    delay = LEASE * 1.5 if path == "in_flight" else 0.0
+    if path == "completion":
+        _explode_always(monkeypatch, d, "_drain", lambda inc, *a: inc.local_id == "Lbad"
+                        and bool(inc.held), fired)
+    elif path == "report":
+        _explode_always(monkeypatch, d, "_report", lambda rid, *a: rid == "bad", fired)
+    else:
+        _explode_always(monkeypatch, d, "_drain", lambda inc, *a: inc.local_id == "Lbad"
+                        and bool(inc.handles), fired)
+    d.start_step(StepPlan(
+        admits=[Admit("Lgood", _params("good", port, (1, 2), "tok-g"), "", 2 * BLOCK),
+                Admit("Lbad", _params("bad", port, (3, 4), "tok-b", debug_read_delay_s=delay),
+                      "", 2 * BLOCK)],
+        reads=[Read("Lgood", [[10, 11]]), Read("Lbad", [[20, 21]])]))
+    with capture_logs() as logs:
+        sent, recved, failed = _pump(p, d, lambda s, r, f: {"good", "bad"} <= s
+                                     and {"Lgood", "Lbad"} <= r, timeout=LEASE * 5)
+    assert len(fired) >= 2 and failed == {"Lbad"}
+    assert "Lbad" not in d._incoming and "bad" not in d._by_remote
+    (ended,) = [e for e in logs if e["event"] == "vllm.worker.request_ended"]
+    assert ended["errors_after_give_up"] >= 1
+    assert len([e for e in logs if e["event"] == "vllm.worker.request_failed_again"]) == 1
+    p_bad = [e for e in read_log(p.flush()) if e.request_id == "bad"]
+    assert [e.kind for e in p_bad].count("freed") == 1 and "lease_expired" in [e.kind for e in p_bad]
+    assert _same(pc, dc, (1, 2), (10, 11)) and _kinds(p, "good").count("freed") == 1
+    d_bad = [e for e in read_log(d.flush()) if e.request_id == "bad"]
+    posted = next(e.t for e in d_bad if e.kind == "reads_posted")
+    expired = next(e.t for e in p_bad if e.kind == "lease_expired")
+    last_hb = max(e.t for e in d_bad if e.kind == "heartbeat_sent")
+    assert expired - last_hb >= LEASE - 0.5  # it expired because D stopped heartbeating
+    assert expired > posted + delay  # never while the READ was in flight
+
+
+def test_p_reports_a_free_even_when_counting_it_raises_every_step(workers, monkeypatch):
+    p, d, pc, dc, port = workers
+    real = p._count
+
+    def count(key, n=1):
+        if key == "frees":
+            raise RuntimeError("injected into P's counter")
+        return real(key, n)
+    monkeypatch.setattr(p, "_count", count)
+    _done_handoff(p, d, port, "r11", "L11", (13,), "tok-11", [13])  # vLLM hears r11 once
+    assert _kinds(p, "r11").count("freed") == 1
+
+
+def test_an_earlier_stage_raising_every_step_does_not_stop_d_reporting(workers, monkeypatch):
+    p, d, pc, dc, port = workers
+    fired: list[str] = []
+    _explode_always(monkeypatch, d, "_drop_lost_producers", lambda *a: True, fired)
+    _done_handoff(p, d, port, "r12", "L12", (14,), "tok-12", [14])
+    assert fired and _same(pc, dc, (14,), (14,))
+
+
+def test_one_export_that_raises_costs_only_itself(workers, monkeypatch):
+    p, d, pc, dc, port = workers
+    real = p._record
+
+    def record(event_type, rid, *args, **kwargs):
+        if rid == "x1" and event_type.kind == "exported":
+            raise RuntimeError("injected into one export")
+        return real(event_type, rid, *args, **kwargs)
+    monkeypatch.setattr(p, "_record", record)
+    p.start_step(StepPlan(prefill_started=["x1", "x2"]))
+    p.start_step(StepPlan(exports=[Export("x1", 1, "t1"), Export("x2", 1, "t2")]))
+    p.finish_step()
+    assert "exported" not in _kinds(p, "x1") and _kinds(p, "x2")[-1] == "exported"
+
+
+def test_a_failing_log_write_never_reaches_vllm(workers, monkeypatch):
+    p, d, pc, dc, port = workers
+
+    def full(*a):
+        raise OSError(28, "No space left on device")
+    for w in (p, d):
+        monkeypatch.setattr(w.writer, "flush", full)
+    with capture_logs() as logs:
+        _done_handoff(p, d, port, "r13", "L13", (15,), "tok-13", [15])  # P's answers included
+    assert _same(pc, dc, (15,), (15,)) and p._notif_thread.is_alive()
+    degraded = [e for e in logs if e["event"] == "vllm.worker.event_log_degraded"]
+    assert len(degraded) == 2 and all(e["log_level"] == "critical" for e in degraded)
+    assert p.log_degraded and d.log_degraded
+    assert p.take_stats()["log_write_errors"] > 0 and d.take_stats()["log_write_errors"] > 0
+    monkeypatch.undo()  # the disk has room again: what was buffered reaches the file
+    p.flush(), d.flush()
+    assert _kinds(p, "r13")[-1] == "freed" and _kinds(d, "r13")[-1] == "release_sent"
+
+
+def test_d_remembers_a_request_for_two_of_the_requests_leases_when_longer(workers):
+    p, d, pc, dc, port = workers
+    long_lease = LEASE * 10  # P's lease, longer than D's cfg.lease_s
+    _export(p, "r14", 1, "tok-14")
+    params = RemotePrefill("P-w", "r14", "127.0.0.1", port, 1, (16,), BLOCK, long_lease,
+                           token="tok-14").to_wire()
+    d.start_step(StepPlan(admits=[Admit("L14", params, "", BLOCK)], reads=[Read("L14", [[16]])]))
+    _pump(p, d, lambda s, r, f: "r14" in s and "L14" in r)
+    ended = d.state.record(d.stream, "r14").t_end
+    d._prune(ended + 2 * LEASE + 1)  # past two of D's leases, inside two of the request's
+    assert _d_state(d, "r14") is DState.DONE  # still single-use: a retry is refused
+    d._prune(ended + 2 * long_lease + 1)
+    assert _d_state(d, "r14") is None
+
+
+def test_another_producers_request_with_a_known_id_is_not_called_a_reuse(workers):
+    p, d, pc, dc, port = workers
+    _done_handoff(p, d, port, "r15", "L15", (17,), "tok-15", [17])
+    other = RemotePrefill("P-other", "r15", "127.0.0.1", port, 1, (17,), BLOCK, LEASE,
+                          token="x").to_wire()
+    with capture_logs() as logs:
+        d.start_step(StepPlan(admits=[Admit("L15b", other, "", BLOCK)], reads=[Read("L15b", [[18]])]))
+        _, recved, failed = _pump(p, d, lambda s, r, f: "L15b" in r)
+    assert failed == {"L15b"} and _kinds(d, "r15").count("reads_posted") == 1
+    (entry,) = [e for e in logs if e["log_level"] == "error"]
+    assert "collides" in entry["error"] and "P-other" in entry["error"] and "single-use" not in entry["error"]
+
+
+def test_a_deferred_heartbeat_that_raises_costs_only_itself(workers, monkeypatch):
+    p, d, pc, dc, port = workers
+    answered: list[tuple[str, ...]] = []
+    real = p._p_heartbeat
+
+    def answer(peer, msg, now, since):
+        if "a" in msg.request_ids:
+            raise RuntimeError("injected into one deferred heartbeat, every time")
+        answered.append(msg.request_ids)
+        return real(peer, msg, now, since)
+    monkeypatch.setattr(p, "_p_heartbeat", answer)
+    with p.lock:  # two heartbeats that came before P folded the exports
+        t = time.monotonic()
+        p._deferred += [(t, "no-peer", messages.Heartbeat("D-x", 0, t, (rid,), ()))
+                        for rid in ("a", "b")]
+    wait_for(lambda: ("b",) in answered, 5, "the deferred heartbeat of b to be answered")

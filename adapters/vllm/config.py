@@ -44,7 +44,7 @@ class UnsupportedTopology(RuntimeError):
 
 
 FAILURE_POLICIES = ("fail", "recompute")
-LOOPBACK_PRODUCERS = ("127.0.0.0/8", "::1", "localhost")
+LOOPBACK_PRODUCERS = ("127.0.0.0/8", "localhost")
 
 
 @dataclass(frozen=True, slots=True)

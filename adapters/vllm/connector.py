@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-
-
 # Module-level classes: under ``vllm serve`` the executor pickles the step's
 # metadata to worker processes and the workers' stats back, by class name.
 class KVHandoffMetadata(metadata_class()):
@@ -51,16 +49,12 @@ _WORKERS: weakref.WeakSet[HandoffWorker] = weakref.WeakSet()
 
 
 def flush_all_logs() -> list[str]:
-    """Flush every live worker's event log in this process; return their paths."""
+    """Flush every live worker's event log in this process; return their paths.
+
+    Never raises for a failing write (`HandoffWorker.flush` counts it and
+    marks the log degraded), so it is safe in a signal handler or at exit.
+    """
     return sorted(w.flush() for w in list(_WORKERS))
-
-
-def _flush_quietly() -> None:
-    for w in list(_WORKERS):
-        try:
-            w.flush()
-        except Exception:  # noqa: S110 - interrupted mid-write: the step's own flush follows
-            pass
 
 
 def _flush_on_exit() -> None:
@@ -76,24 +70,41 @@ def _flush_on_exit() -> None:
     import signal
     import threading
 
+    if not getattr(_flush_on_exit, "at_exit", False):
+        atexit.register(flush_all_logs)
+        _flush_on_exit.at_exit = True
     if getattr(_flush_on_exit, "installed", False):
         return
-    _flush_on_exit.installed = True
-    atexit.register(_flush_quietly)
     if threading.current_thread() is not threading.main_thread():
-        return
+        return  # signal handlers can only be set there; a later call may be on it
     for sig in (signal.SIGTERM, signal.SIGINT):
-        previous = signal.getsignal(sig)
+        signal.signal(sig, _chained_flush(signal.getsignal(sig)))
+    _flush_on_exit.installed = True
 
-        def handler(signum: int, frame: Any, previous: Any = previous) -> None:
-            _flush_quietly()
-            if callable(previous):
-                previous(signum, frame)
-            elif previous == signal.SIG_DFL:
-                signal.signal(signum, signal.SIG_DFL)
-                signal.raise_signal(signum)
 
-        signal.signal(sig, handler)
+def _chained_flush(previous: Any) -> Any:
+    """A handler that flushes the logs, then does what ``previous`` would have done.
+
+    ``previous`` is a callable, ``SIG_IGN``, ``SIG_DFL``, or None (a handler
+    not set from Python): None behaves as the default, so the signal is never
+    swallowed.
+    """
+    import signal
+
+    def handler(signum: int, frame: Any) -> None:
+        try:
+            flush_all_logs()
+        except RuntimeError:  # interrupted mid-write (reentrant flush): the step's own follows
+            pass
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_IGN:
+            return
+        else:  # SIG_DFL or None: the default action (for SIGTERM and SIGINT, exit)
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+
+    return handler
 
 
 def stats_snapshot() -> dict[str, Any]:

@@ -8,7 +8,9 @@ Nothing a request carries may stop the engine: each per-request step runs
 under `_contained`, which turns an exception into `_give_up` for that
 request (logged once; the fold refuses what it must, P is released
 notify-only when no read owns its blocks, vLLM hears ``failed_recving``
-exactly once) and carries on with the next request.
+exactly once) and carries on with the next request.  A request whose path
+fails again after that is ended for good (`_end_for_good`): reported failed
+once its READs drained, then forgotten, so P frees it by lease.
 """
 
 from __future__ import annotations
@@ -55,7 +57,6 @@ from kvhandoff.transports.base import ReadRequest
 log = structlog.get_logger(__name__)
 
 
-GAVE_UP = "gave up: "  # IncomingHandoff.error prefix of a request failed by _give_up
 _REFUSED_BECAUSE = {
     Verdict.UNSAFE: "a read completed after P may have freed its blocks (P answered: gone)",
     Verdict.PENDING: "no answer from P proving it held the blocks within read_timeout_s",
@@ -86,15 +87,34 @@ class IncomingHandoff:
     handles: dict[int, int] = field(default_factory=dict)  # transport handle -> split
     posted_at: float = 0.0
     bytes: int = 0
-    timed_out: bool = False
+    timed_out: bool = False  # a READ outlived read_timeout_s (its splits are failed)
+    gave_up: bool = False  # failed by _give_up after an unexpected error
+    repeats: int = 0  # errors contained for it after it was given up
     held: list[tuple[float, int, bool, str]] = field(default_factory=list)
     parked: bool = False  # waiting for the handshake with its P
     pending_read: tuple[list[list[int]], bool, int] | None = None  # a read that came while parked
     cancelled: bool = False
 
+    @property
+    def splits_failed(self) -> bool:
+        """Its splits are failed already: a READ draining now brings nothing to record."""
+        return self.timed_out or self.gave_up
+
+    def in_flight(self, now: float) -> list[int]:
+        """READ handles not completed by ``now`` (they own D's pages and P's lease).
+
+        A completion held back by ``debug_read_delay_s`` counts as in flight
+        until it is due: the delay stands in for a slow READ.
+        """
+        arrived = {handle for due, handle, _, _ in self.held if due <= now}
+        return [h for h in self.handles if h not in arrived]
 
 
 class ConsumerHalf:
+    def _dial_address(self, remote: RemotePrefill) -> tuple[str, int]:
+        """The side-channel address D dials for ``remote``: its P rank ``self.rank``."""
+        return (remote.host, remote.port + self.rank)
+
     def _peer_for(self, remote: RemotePrefill, now: float) -> ProducerLink | None:
         """The link to ``remote``'s P rank, or None while the handshake runs (started here).
 
@@ -102,7 +122,7 @@ class ConsumerHalf:
         that request ``handshake_timeout_s``, never the engine loop.  A failed
         address is refused for 10 s without trying again.
         """
-        key = (remote.host, remote.port + self.rank)
+        key = self._dial_address(remote)
         peer = self._peers.get(key)
         if peer is not None:
             return peer
@@ -199,14 +219,14 @@ class ConsumerHalf:
             else:
                 remote = parse_remote_prefill(a.params)
             inc.remote = remote
-            self.trusted.check(remote.host, remote.port)  # before a single packet leaves
+            self.trusted.check(*self._dial_address(remote))  # before a single packet leaves
             if self._known(remote, local_id, a.cleanup):
                 inc.remote = None
                 return
             peer = self._peer_for(remote, now)
             if peer is None:
                 inc.parked = True
-                self._parked.setdefault((remote.host, remote.port + self.rank), []).append(a)
+                self._parked.setdefault(self._dial_address(remote), []).append(a)
                 return
             if peer.engine_id != remote.engine_id:
                 raise GeometryMismatch("remote_engine_id (unknown engine at that address)",
@@ -246,13 +266,21 @@ class ConsumerHalf:
 
         Parameters are single-use: a second request naming a P request this D
         took (in any state, released included, until the record is pruned two
-        to three leases after it ended) must never read P's blocks again; it
+        to three leases after it ended, the request's lease if longer than
+        D's) must never read P's blocks again; it
         fails.  (Past that, P has long freed the blocks and answers "gone":
         D refuses the bytes as unproven.)
         """
         rec = self._rec(remote.request_id)
         if not isinstance(rec, ConsumerRecord):
             return False
+        if rec.remote_engine != remote.engine_id:
+            # Another P's request under the same id: not a reuse, but the fold
+            # (one record per request id) cannot hold both until it is pruned.
+            raise MalformedTransferParams(
+                f"remote_request_id {remote.request_id!r} of {remote.engine_id!r} collides with "
+                f"the request of {rec.remote_engine!r} this D still knows (local request "
+                f"{rec.local_id!r}, state {rec.state.value})")
         if cleanup:
             log.info("vllm.worker.cleanup_of_known_request", local_request_id=local_id,
                      request_id=remote.request_id, state=rec.state.value)
@@ -280,7 +308,7 @@ class ConsumerHalf:
     def _release(self, rid: str, now: float, notify_only: bool) -> None:
         inc = self._incoming.get(self._by_remote.get(rid, ""))
         remote = inc.remote if inc else None
-        peer = self._peers.get((remote.host, remote.port + self.rank)) if remote else None
+        peer = self._peers.get(self._dial_address(remote)) if remote else None
         if peer is not None:
             msg = messages.Release(rid, self.engine_id, self.rank, remote.token)
             try:
@@ -353,7 +381,7 @@ class ConsumerHalf:
         if not remote_ids:  # everything was a local hit after all: nothing to move
             self._record(SplitCompleted, rid, now, split=0)
             return
-        peer = self._peers[(inc.remote.host, inc.remote.port + self.rank)]
+        peer = self._peers[self._dial_address(inc.remote)]
         try:
             handle = self.transport.post_read(peer.agent, ReadRequest(coalesce(remote_ids, local)))
         except Exception as exc:
@@ -403,10 +431,18 @@ class ConsumerHalf:
         drain (its pages stay held until then); vLLM hears of it once.
         """
         inc = self._incoming.get(local_id)
-        if inc is None or inc.error.startswith(GAVE_UP):
+        if inc is None:
+            return
+        if inc.gave_up:  # it fails again: whatever path raises will raise every step
+            inc.repeats += 1
+            if inc.repeats == 1:
+                log.error("vllm.worker.request_failed_again", local_request_id=local_id,
+                          error=reason, reads_in_flight=len(inc.in_flight(now)))
+            self._end_for_good(inc, now)
             return
         log.error("vllm.worker.request_failed", local_request_id=local_id, error=reason)
-        inc.error = f"{GAVE_UP}{reason}"
+        inc.gave_up = True
+        inc.error = reason
         if inc.parked:  # never admit it when its handshake finishes
             for waiting in self._parked.values():
                 waiting[:] = [a for a in waiting if a.local_id != local_id]
@@ -420,10 +456,15 @@ class ConsumerHalf:
                 self._record(Rejected, rid, now, reason=reason[:500])
                 self._release(rid, now, notify_only=True)
             elif state is DState.VALIDATED:
+                # The graph has no failure arrow out of VALIDATED: cancelling is
+                # the one way to release P.  The event says client_cancelled;
+                # the real reason is this log line.
+                log.warning("vllm.worker.failure_recorded_as_cancel", request_id=rid,
+                            local_request_id=local_id, error=reason)
                 self._record(ClientCancelled, rid, now)
                 self._release(rid, now, notify_only=True)
             elif state in (DState.READING, DState.CANCELLED_READING) and not inc.timed_out:
-                inc.timed_out = True  # its READs only drain now; _d_report reports it
+                # Its READs only drain now (``splits_failed``); _d_report reports it.
                 for split, done in enumerate(rec.split_done):
                     if done is None:
                         self._record(SplitFailed, rid, now, split=split, reason=reason[:500])
@@ -435,6 +476,27 @@ class ConsumerHalf:
             return  # READs still own the pages: reported when they drain
         if inc.read_entry and local_id not in self._fail_now:
             self._fail_now.append(local_id)
+
+    def _end_for_good(self, inc: IncomingHandoff, now: float) -> None:
+        """End a request whose contained path failed again after it was given up.
+
+        The fold is left as it is (recording is what may be failing).  Once
+        no READ is in flight, vLLM hears ``failed_recving`` for it once (when
+        it waits for one) and D forgets it: its heartbeats stop, so P frees
+        its blocks when the lease lapses.  Until then it keeps its heartbeat
+        and D keeps its pages: a READ in flight never loses its lease.
+        Called again each step (`_d_poll`) until its READs drain.
+        """
+        if inc.in_flight(now):
+            return
+        local_id = inc.local_id
+        if (inc.read_entry and local_id not in self._fail_now
+                and local_id not in self._report_recving):
+            self._fail_now.append(local_id)
+        log.error("vllm.worker.request_ended", local_request_id=local_id,
+                  request_id=inc.remote.request_id if inc.remote else None,
+                  errors_after_give_up=inc.repeats, error=inc.error)
+        self._forget(local_id)
 
     def _local_of(self, handle: int) -> IncomingHandoff | None:
         for inc in self._incoming.values():
@@ -453,7 +515,10 @@ class ConsumerHalf:
                 delay = max(delay, inc.remote.debug_read_delay_s)
             inc.held.append((inc.posted_at + delay, c.handle, c.ok, c.reason))
         for inc in list(self._incoming.values()):
-            self._contained("completion", inc.local_id, now, self._drain, inc, now)
+            if inc.repeats:  # ended for good: only waits for its READs to drain
+                self._end_for_good(inc, now)
+            else:
+                self._contained("completion", inc.local_id, now, self._drain, inc, now)
 
     def _drain(self, inc: IncomingHandoff, now: float) -> None:
         """Record the READ completions of one request that are due (see debug_read_delay_s)."""
@@ -464,8 +529,8 @@ class ConsumerHalf:
                 keep.append((due, handle, ok, reason))
                 continue
             split = inc.handles.pop(handle)
-            if inc.timed_out:
-                continue  # already failed on timeout; the bytes drained now
+            if inc.splits_failed:
+                continue  # already failed (timeout or give-up); the bytes drained now
             if ok:
                 self._record(SplitCompleted, rid, now, split=split)
                 self._count("reads_completed")
@@ -473,12 +538,12 @@ class ConsumerHalf:
                 for bucket in (self.stats, self.total):
                     bucket["read_s"].append(now - inc.posted_at)
                     bucket["read_bytes"].append(inc.bytes)
-                self._urgent.add((inc.remote.host, inc.remote.port + self.rank))
+                self._urgent.add(self._dial_address(inc.remote))
             else:
                 self._record(SplitFailed, rid, now, split=split, reason=reason or "read failed")
                 self._count("reads_failed")
         inc.held = keep
-        if inc.handles and not inc.timed_out and now - inc.posted_at > self.cfg.read_timeout_s:
+        if inc.handles and not inc.splits_failed and now - inc.posted_at > self.cfg.read_timeout_s:
             inc.timed_out = True
             # NIXL cannot cancel a READ: its pages (and P's lease) stay held
             # until the transfer drains or errors.
@@ -510,7 +575,7 @@ class ConsumerHalf:
         inc = self._incoming.get(self._by_remote.get(rid, ""))
         if inc is None or inc.remote is None:
             return None
-        return (inc.remote.host, inc.remote.port + self.rank)
+        return self._dial_address(inc.remote)
 
     def _producer_agent(self, rid: str) -> str | None:
         link = self._peers.get(self._address_of(rid) or ("", 0))
@@ -567,21 +632,26 @@ class ConsumerHalf:
         inc = self._incoming.get(self._by_remote.get(rid, ""))
         return inc.remote.token if inc is not None and inc.remote is not None else ""
 
-    def _d_report(self, now: float) -> tuple[set[str], set[str]]:
-        finished: set[str] = set()
-        failed: set[str] = set()
-        for local_id in self._fail_now:
-            finished.add(local_id)
-            failed.add(local_id)
+    def _d_report(self, now: float) -> None:
+        """Move what vLLM must hear into ``_report_recving`` / ``_report_failed``.
+
+        `finish_step` empties those sets only when it returns them: an error
+        in a later stage never loses a report.
+        """
+        while self._fail_now:
+            local_id = self._fail_now[0]
+            self._report_recving.add(local_id)
+            self._report_failed.add(local_id)
+            self._fail_now.pop(0)
             self._forget(local_id)
-        self._fail_now = []
         due = list(reads_to_report(self.state, self.stream))
         for inc in self._incoming.values():
             # Reads drained but no acknowledgement proves P still held the
             # source: a cancelled request's bytes go nowhere, so it reports at
             # once; otherwise, past the read timeout (P silent or gone) the
             # verdict stays unproven and the request fails instead of waiting.
-            rec = self._rec(inc.remote.request_id) if inc.admitted and inc.remote else None
+            rec = (self._rec(inc.remote.request_id)
+                   if inc.admitted and inc.remote and not inc.repeats else None)
             if (isinstance(rec, ConsumerRecord) and not inc.handles and inc.posted_at
                     and rec.state in (DState.READING, DState.CANCELLED_READING)
                     and rec.drained
@@ -592,26 +662,23 @@ class ConsumerHalf:
         for rid in due:
             local_id = self._by_remote.get(rid)
             inc = self._incoming.get(local_id or "")
-            if inc is None or inc.handles:
+            if inc is None or inc.handles or inc.repeats:
                 continue  # a timed-out READ still owns D's pages: wait for it to drain
-            self._contained("report", inc.local_id, now, self._report, rid, inc, now, finished,
-                            failed)
-        return finished, failed
+            self._contained("report", inc.local_id, now, self._report, rid, inc, now)
 
-    def _report(self, rid: str, inc: IncomingHandoff, now: float, finished: set[str],
-                failed: set[str]) -> None:
+    def _report(self, rid: str, inc: IncomingHandoff, now: float) -> None:
         verdict = read_verdict_of(self._rec(rid))
         self._record(FinishedRecving, rid, now)
         rec = self._rec(rid)
         ok = rec.state is DState.RECEIVED
-        if not ok and not inc.error.startswith(GAVE_UP):
+        if not ok and not inc.gave_up:
             log.error("vllm.worker.read_refused", request_id=rid, local_request_id=inc.local_id,
                       verdict=verdict.value, error=rec.failed or _REFUSED_BECAUSE.get(
                           verdict, "the reads brought nothing D may serve"))
         self._release(rid, now, notify_only=not ok)
         if inc.read_entry:
-            finished.add(inc.local_id)
-            if not ok or inc.error.startswith(GAVE_UP):
-                failed.add(inc.local_id)
+            if not ok or inc.gave_up:
+                self._report_failed.add(inc.local_id)
+            self._report_recving.add(inc.local_id)
         self._forget(inc.local_id)
 

@@ -16,6 +16,8 @@ from typing import Any
 
 from kvhandoff.core.errors import MalformedMessage
 
+MAX_LEASE_S = 86400.0
+
 PROTOCOL = "kvhandoff/1"
 DEBUG_DELAY_KEY = "kvhandoff_debug_read_delay_s"
 
@@ -87,8 +89,10 @@ def parse_remote_prefill(params: Any, max_block_id: int = 1 << 31) -> RemotePref
     if num_tokens < 1:
         raise MalformedTransferParams(
             f"kv_transfer_params['remote_num_tokens']: expected >= 1, found {num_tokens}")
-    if isinstance(lease, bool) or not isinstance(lease, int | float) or lease <= 0:
-        raise MalformedTransferParams(f"kv_transfer_params['lease_s']: expected a number > 0, found {lease!r}")
+    if isinstance(lease, bool) or not isinstance(lease, int | float) or not 0 < lease <= MAX_LEASE_S:
+        # Bounded: D remembers a request two leases after it ends (single-use).
+        raise MalformedTransferParams(
+            f"kv_transfer_params['lease_s']: expected a number in (0, {MAX_LEASE_S:g}], found {lease!r}")
     groups = _get(params, "remote_block_ids", list)
     if len(groups) != 1 or not isinstance(groups[0], list):
         raise MalformedTransferParams(

@@ -51,8 +51,7 @@ class ProducerHalf:
                 except Exception as exc:  # never let the thread die silently
                     log.error("vllm.worker.notif_loop_error", error=str(exc),
                               error_type=type(exc).__name__)
-                finally:
-                    self.writer.flush()  # durable within one poll period
+                self._flush_log()  # durable within one poll period
                 ss = self.state.streams.get(self.stream)
                 live = ss is not None and any(r.state in (PState.EXPORTED, PState.PREFILLING)
                                               for r in ss.requests.values())
@@ -61,14 +60,23 @@ class ProducerHalf:
     def _p_handle_notifs(self, now: float) -> None:
         deferred, self._deferred = self._deferred, []
         for since, peer, hb in deferred:
-            self._p_heartbeat(peer, hb, now, since)
+            self._p_contained("deferred_heartbeat", self._p_heartbeat, peer, hb, now, since,
+                              peer=peer)
         for peer, msg in self._notifications():
-            try:  # one peer's odd message must not cost the others theirs
-                self._p_notification(peer, msg, now)
-            except Exception as exc:
+            # one peer's odd message must not cost the others theirs
+            self._p_contained("notification", self._p_notification, peer, msg, now, peer=peer)
+
+    def _p_contained(self, what: str, step: Any, *args: Any, peer: str = "",
+                     request_id: str = "") -> None:
+        """Run one notification's or one request's ``step``; an error costs only that one."""
+        try:
+            step(*args)
+        except Exception as exc:
+            if what in ("notification", "deferred_heartbeat"):
                 self._count("notifications_ignored")
-                log.error("vllm.worker.notification_error", peer=peer, error=str(exc),
-                          error_type=type(exc).__name__)
+            log.error(f"vllm.worker.{what}_error", peer=peer or None,
+                      request_id=request_id or None, error=str(exc),
+                      error_type=type(exc).__name__)
 
     def _p_notification(self, peer: str, msg: messages.Message, now: float) -> None:
         if isinstance(msg, messages.Heartbeat):
@@ -118,34 +126,56 @@ class ProducerHalf:
     def _p_plan(self, plan: StepPlan, now: float) -> None:
         """What the scheduler saw this step: prefills started, exported, aborted."""
         for rid in plan.prefill_started:
-            self._record(PrefillStarted, rid, now)
+            self._p_contained("plan", self._record, PrefillStarted, rid, now, request_id=rid)
         for ex in plan.exports:
-            if self._record(Exported, ex.request_id, now, lease_s=self.cfg.lease_s,
-                            consumer_ranks=(self.rank,), num_blocks=ex.num_blocks,
-                            token=ex.token):
-                self._count("leases_exported")
+            self._p_contained("plan", self._p_export, ex, now, request_id=ex.request_id)
         for rid in plan.aborted:
-            if self._record(Aborted, rid, now, reason="finished on P before export"):
-                self._record(Freed, rid, now)  # vLLM freed these blocks itself
+            self._p_contained("plan", self._p_abort, rid, now, request_id=rid)
 
-    def _p_step(self, now: float) -> set[str]:
-        """Answer notifications, reap expired leases, free; the ids vLLM may free now."""
-        self._p_handle_notifs(now)
+    def _p_export(self, ex: Any, now: float) -> None:
+        if self._record(Exported, ex.request_id, now, lease_s=self.cfg.lease_s,
+                        consumer_ranks=(self.rank,), num_blocks=ex.num_blocks, token=ex.token):
+            self._count("leases_exported")
+
+    def _p_abort(self, rid: str, now: float) -> None:
+        if self._record(Aborted, rid, now, reason="finished on P before export"):
+            self._record(Freed, rid, now)  # vLLM freed these blocks itself
+
+    def _p_step(self, now: float) -> None:
+        """Answer notifications, reap expired leases, free into ``_report_sending``.
+
+        Each stage runs whatever an earlier one raised (`_stage`); `finish_step`
+        returns ``_report_sending`` to vLLM and only then empties it.
+        """
+        self._stage("notifications", self._p_handle_notifs, now)
+        self._stage("lost_consumers", self._p_drop_lost_consumers)
+        self._stage("expire", self._p_expire, now)
+        self._stage("free", self._p_free, now)
+
+    def _p_drop_lost_consumers(self) -> None:
         for agent in self.transport.lost_peers():  # a D that died: its leases lapse on their own
             self.transport.remove_peer(agent)
             log.warning("vllm.worker.consumer_lost", agent=agent)
+
+    def _p_expire(self, now: float) -> None:
         for rid in expired_leases(self.state, self.stream, now):
-            if self._record(LeaseExpired, rid, now):
-                self._count("leases_expired")
-                log.warning("vllm.worker.lease_expired", request_id=rid, lease_s=self.cfg.lease_s)
-        finished: set[str] = set()
+            self._p_contained("expire", self._p_expire_one, rid, now, request_id=rid)
+
+    def _p_expire_one(self, rid: str, now: float) -> None:
+        if self._record(LeaseExpired, rid, now):
+            self._count("leases_expired")
+            log.warning("vllm.worker.lease_expired", request_id=rid, lease_s=self.cfg.lease_s)
+
+    def _p_free(self, now: float) -> None:
         for rid in to_free(self.state, self.stream):
-            rec = self._rec(rid)
-            ended = "released" if rec.state is PState.RELEASED else rec.ended
-            if self._record(Freed, rid, now):
-                self._count("frees")
-                if ended == "released":
-                    self._count("leases_released")
-                finished.add(rid)
-        return finished
+            self._p_contained("free", self._p_free_one, rid, now, request_id=rid)
+
+    def _p_free_one(self, rid: str, now: float) -> None:
+        rec = self._rec(rid)
+        ended = "released" if rec.state is PState.RELEASED else rec.ended
+        if self._record(Freed, rid, now):
+            self._report_sending.add(rid)  # before anything else can raise: vLLM must hear it
+            self._count("frees")
+            if ended == "released":
+                self._count("leases_released")
 

@@ -89,8 +89,24 @@ def _no_match(self: HandoffScheduler, request: Any, reason: str, *_: Any) -> tup
     return 0, False
 
 
-def _free_now(self: HandoffScheduler, request: Any, reason: str, *_: Any) -> tuple[bool, None]:
-    return False, None
+def _free_unless_read(self: HandoffScheduler, request: Any, reason: str,
+                      *_: Any) -> tuple[bool, None]:
+    """``request_finished`` raised: free only what no READ may own.
+
+    On D a READ may be in flight into the request's pages while its track
+    says it awaits one (`request_finished` pops the track last, so it is
+    still here): delay the free and ask the worker for the report that
+    returns the pages.  Freeing them would let vLLM reuse them under the READ.
+    """
+    track = None if self.producer else self._d.pop(getattr(request, "request_id", None), None)
+    if track is None or not track.awaiting:
+        return False, None
+    try:
+        self._plan.cancels.append(request.request_id)
+    except Exception as exc:  # the pages stay held: a leak, never a READ into reused memory
+        log.error("vllm.scheduler.cancel_not_planned", request_id=request.request_id,
+                  error=f"{type(exc).__name__}: {exc}")
+    return True, None
 
 
 class HandoffScheduler:
@@ -175,7 +191,7 @@ class HandoffScheduler:
             if track is not None:
                 track.awaiting = False
 
-    @contained(_free_now)
+    @contained(_free_unless_read)
     def request_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
@@ -204,14 +220,16 @@ class HandoffScheduler:
             if started:
                 self._plan.aborted.append(rid)
             return False, None
-        track = self._d.pop(rid, None)
+        track = self._d.get(rid)
         if track is None:
             return False, None
-        if track.awaiting:
+        # Decide, then forget the track last: if anything here raises, the
+        # fallback still sees whether a READ may own the pages.
+        delay = track.awaiting
+        if delay or not track.read_sent:
             # Reads in flight own D's destination blocks: keep them until the
             # worker reports finished_recving (it keeps heartbeating P too).
+            # Never read: the worker sends a notify-only release.
             self._plan.cancels.append(rid)
-            return True, None
-        if not track.read_sent:
-            self._plan.cancels.append(rid)  # never read: the worker sends a notify-only release
-        return False, None
+        del self._d[rid]
+        return delay, None

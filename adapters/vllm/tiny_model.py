@@ -142,9 +142,12 @@ def write_tokenizer(directory: str | Path, vocab_size: int = 512) -> Path:
     text = tok.to_str()
     if not path.exists() or path.read_text() != text:
         path.write_text(text)
-    (out / "tokenizer_config.json").write_text(json.dumps({
+    config = out / "tokenizer_config.json"
+    config_text = json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 2048,
         "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
         "add_bos_token": False, "clean_up_tokenization_spaces": False,
-    }, indent=2, sort_keys=True))
+    }, indent=2, sort_keys=True)
+    if not config.exists() or config.read_text() != config_text:
+        config.write_text(config_text)
     return path

@@ -3,11 +3,18 @@
 The address D dials comes from ``kv_transfer_params``, which clients can
 write.  D checks it here, before a single packet leaves (no handshake, no
 release, nothing), so a client cannot make D connect to an arbitrary host
-and port.  An entry is ``HOST``, ``HOST:PORT``, ``CIDR`` or ``CIDR:PORT``
-(``[v6]:PORT`` for IPv6 with a port); an entry without a port allows every
-port of that host.  Host names match only the same name written in
-``remote_host`` (no DNS lookups: D dials what the parameters say, and the
-check must be about that string).  The default allows loopback only.
+and port.  The check is on exactly the address D dials: ``remote_host`` as
+written and ``remote_port + rank`` (D's rank *r* dials P's rank *r*).
+
+An entry is ``HOST``, ``HOST:PORT``, ``CIDR`` or ``CIDR:PORT`` (IPv4); an
+entry without a port trusts every port, i.e. every process on those hosts.
+Host names match only the same name written in ``remote_host`` (no DNS
+lookup here: the name is resolved when D dials, so a name entry trusts DNS
+at dial time).  An IP address must be written canonically; IPv6 (and scope
+ids) are refused: the side channel dials ``tcp://HOST:PORT`` (IPv4 or a
+name).  Once P is trusted, so is what it sends: the NIXL metadata of its
+handshake is loaded as is.  The default allows loopback only
+(``127.0.0.0/8``, ``localhost``).
 """
 
 from __future__ import annotations
@@ -61,14 +68,26 @@ def _parse_entry(entry: object) -> _Entry:
         if port is not None and not 0 < port < 65536:
             raise ValueError(f"port {port} out of range")
         try:
-            return _Entry(ipaddress.ip_network(host, strict=False), "", port)
+            network = ipaddress.ip_network(host, strict=False)
         except ValueError:
-            if not host or any(c in host for c in "/[] "):
-                raise
-            return _Entry(None, host.lower(), port)
+            network = None
+        if network is not None:
+            if network.version != 4:
+                raise ValueError("IPv6 producers are not supported (D dials tcp://HOST:PORT)")
+            return _Entry(network, "", port)
+        if not host or any(c in host for c in "/[]%: "):
+            raise ValueError("not an IPv4 address, CIDR or host name (IPv6 is not supported)")
+        return _Entry(None, host.lower(), port)
     except ValueError as exc:
         raise ConnectorConfigError("trusted_producers",
                                    f"HOST[:PORT] or CIDR[:PORT] ({exc})", entry) from None
+
+
+def _ip_of(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
 
 
 class TrustedProducers:
@@ -79,13 +98,28 @@ class TrustedProducers:
         self._parsed = tuple(_parse_entry(e) for e in self.entries)
 
     def allows(self, host: str, port: int) -> bool:
-        try:
-            ip = ipaddress.ip_address(host)
-        except ValueError:
-            ip = None
-        return any(e.allows(ip, host, port) for e in self._parsed)
+        """Whether D may dial exactly ``host``:``port`` (`problem` is empty and an entry matches)."""
+        return not self.problem(host, port) and any(
+            e.allows(_ip_of(host), host, port) for e in self._parsed)
+
+    @staticmethod
+    def problem(host: str, port: int) -> str:
+        """Why D must never dial ``host``:``port`` whatever the entries say ("" if none)."""
+        if type(port) is not int or not 0 < port < 65536:
+            return f"port {port!r} out of range 1..65535"
+        if not host or any(c in host for c in "%[]/ :@\t\n"):
+            return "not an IPv4 address or a host name (IPv6 and scope ids are not supported)"
+        ip = _ip_of(host)
+        if ip is not None and str(ip) != host:
+            return f"IP address not written canonically ({str(ip)!r})"
+        return ""
 
     def check(self, host: str, port: int) -> None:
+        """Raise `UntrustedProducer` unless D may dial exactly ``host``:``port``."""
+        why = self.problem(host, port)
+        if why:
+            raise UntrustedProducer(f"kv_transfer_params remote_host/remote_port {host!r}:{port}: "
+                                    f"{why} (D connects only to addresses in trusted_producers)")
         if not self.allows(host, port):
             raise UntrustedProducer(
                 f"kv_transfer_params remote_host/remote_port {host}:{port}: not in "

@@ -32,7 +32,9 @@ The event log is written to the OS (``write``, not ``fsync``) at the end of
 every ``start_step`` / ``finish_step`` and every pass of P's notification
 thread (at most ``idle_poll_s`` apart): a live engine's log is current to its
 last step, and a ``kill -9`` loses at most the step in progress (and may tear
-the last line).  SIGTERM / SIGINT flush too (`durable`).
+the last line).  SIGTERM / SIGINT flush too (`connector.flush_all_logs`).  A
+write that fails (``OSError``) is counted and the log marked degraded
+(`_flush_log`); it never reaches vLLM's engine loop.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self.log_path = str(Path(cfg.log_dir) / f"{engine_id}.{side.value}{rank}.jsonl")
         _rotate_previous_log(self.log_path)
         self.writer = LogWriter(self.log_path)
+        self.log_degraded = False
         self.state = LifecycleState()
         self._last_prune = 0.0
         self.ledger = Ledger(self.stream, self.state, sink=self.writer)
@@ -112,6 +115,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self._notif_thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._deferred: list[tuple[float, str, messages.Heartbeat]] = []
+        self._report_sending: set[str] = set()  # freed, vLLM not told yet
         # D
         self._peers: dict[tuple[str, int], ProducerLink] = {}  # (host, port) -> peer
         self._refused: dict[tuple[str, int], tuple[float, str]] = {}
@@ -120,6 +124,8 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self._incoming: dict[str, IncomingHandoff] = {}  # local id -> adapter handle
         self._by_remote: dict[str, str] = {}  # P's request id -> local id
         self._fail_now: list[str] = []  # local ids to report failed this step
+        self._report_recving: set[str] = set()  # finished_recving, vLLM not told yet
+        self._report_failed: set[str] = set()  # of those, failed
         self._last_hb: dict[tuple[str, int], float] = {}  # per P rank address
         self._fresh: set[str] = set()  # admitted, not heartbeated yet
         self._urgent: set[tuple[str, int]] = set()  # P ranks whose ack we need now
@@ -171,8 +177,33 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
 
     def flush(self) -> str:
         with self.lock:
-            self.writer.flush()
+            self._flush_log()
         return self.log_path
+
+    def _flush_log(self) -> None:
+        """Hand the buffered events to the OS; a failing write never reaches vLLM.
+
+        The engine keeps serving with its log degraded (``log_write_errors``
+        in the stats, one loud log line): the log is the record, not the
+        mechanism.  What the buffer still holds is written by the next flush
+        that succeeds.
+        """
+        try:
+            self.writer.flush()
+        except OSError as exc:
+            self._count("log_write_errors")
+            if not self.log_degraded:
+                self.log_degraded = True
+                log.critical("vllm.worker.event_log_degraded", event_log=self.log_path,
+                             error=str(exc), error_type=type(exc).__name__)
+
+    def _stage(self, name: str, step: Any, *args: Any) -> None:
+        """Run one stage of an engine step; its error costs that stage only, this step."""
+        try:
+            step(*args)
+        except Exception as exc:  # per-request errors are contained below this
+            log.error("vllm.worker.step_error", stage=name, error=str(exc),
+                      error_type=type(exc).__name__)
 
     # ---- registration ------------------------------------------------------
 
@@ -220,11 +251,23 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
             self._notif_thread.start()
 
     def _prune(self, now: float) -> None:
-        # Keep finished records one lease (late notifications get precise
-        # answers), then forget them so a long-running engine stays bounded.
-        if now - self._last_prune >= self.cfg.lease_s:
-            self._last_prune = now
-            prune_terminal(self.state, self.stream, now - 2 * self.cfg.lease_s)
+        """Forget finished records two leases after they ended (the request's lease if longer).
+
+        Until then late notifications get precise answers and, on D, the
+        request's transfer parameters stay single-use (`_known`) for as long
+        as P may still hold its blocks.  The core prunes by one cut-off
+        time: it is lowered to the end of the earliest record that must stay,
+        so a longer lease is never cut short (its neighbours wait a little).
+        """
+        if now - self._last_prune < self.cfg.lease_s:
+            return
+        self._last_prune = now
+        before = now - 2 * self.cfg.lease_s
+        ss = self.state.streams.get(self.stream)
+        for rec in ss.requests.values() if ss is not None else ():
+            if rec.t_end < before and rec.t_end + 2 * max(self.cfg.lease_s, rec.lease_s) >= now:
+                before = rec.t_end
+        prune_terminal(self.state, self.stream, before)
 
     # ---- the two per-step entry points ------------------------------------
 
@@ -234,41 +277,37 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
             return
         with self.lock:
             now = time.monotonic()
-            try:
-                if self.side is Side.P:
-                    self._p_plan(plan, now)
-                else:
-                    self._drop_lost_producers()
-                    self._finish_handshakes(now)
-                    self._d_plan(plan, now)
-                    self._d_heartbeats(now)
-            except Exception as exc:  # per-request errors are contained below this
-                log.error("vllm.worker.step_error", stage="start", error=str(exc),
-                          error_type=type(exc).__name__)
-            finally:
-                self.writer.flush()
+            if self.side is Side.P:
+                self._stage("plan", self._p_plan, plan, now)
+            else:
+                self._stage("lost_producers", self._drop_lost_producers)
+                self._stage("handshakes", self._finish_handshakes, now)
+                self._stage("plan", self._d_plan, plan, now)
+                self._stage("heartbeats", self._d_heartbeats, now)
+            self._flush_log()
 
     def finish_step(self) -> tuple[set[str], set[str], set[str]]:
         """``get_transfer_results``: (finished_sending, finished_recving, failed_recving)."""
+        # Each stage runs whatever an earlier one raised: reporting and
+        # freeing never starve.  What vLLM must hear waits on self until it
+        # is returned here.
         with self.lock:
             now = time.monotonic()
-            try:
-                self._prune(now)
-                if self.side is Side.P:
-                    return self._p_step(now), set(), set()
-                self._drop_lost_producers()
-                self._finish_handshakes(now)
-                self._d_poll(now)
-                self._d_notifs(now)
-                self._d_heartbeats(now)
-                recving, failed = self._d_report(now)
-                return set(), recving, failed
-            except Exception as exc:  # per-request errors are contained below this
-                log.error("vllm.worker.step_error", stage="finish", error=str(exc),
-                          error_type=type(exc).__name__)
-                return set(), set(), set()
-            finally:
-                self.writer.flush()
+            self._stage("prune", self._prune, now)
+            if self.side is Side.P:
+                self._p_step(now)
+            else:
+                self._stage("lost_producers", self._drop_lost_producers)
+                self._stage("handshakes", self._finish_handshakes, now)
+                self._stage("poll", self._d_poll, now)
+                self._stage("notifications", self._d_notifs, now)
+                self._stage("heartbeats", self._d_heartbeats, now)
+                self._stage("report", self._d_report, now)
+            self._flush_log()
+            sending, self._report_sending = self._report_sending, set()
+            recving, self._report_recving = self._report_recving, set()
+            failed, self._report_failed = self._report_failed, set()
+            return sending, recving, failed
 
     def close(self) -> None:
         self._stop.set()
@@ -277,7 +316,10 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         if self._server is not None:
             self._server.close()
         with self.lock:
-            self.writer.flush()
-            self.writer.close()
+            self._flush_log()
+            try:
+                self.writer.close()
+            except OSError:  # its last flush failed: counted and logged above
+                pass
             if self.transport is not None:
                 self.transport.close()
