@@ -47,7 +47,7 @@ class ProducerHalf:
         while not self._stop.is_set():
             with self.lock:
                 try:
-                    self._p_handle_notifs(time.monotonic())
+                    self._p_handle_notifs()
                 except Exception as exc:  # never let the thread die silently
                     log.error("vllm.worker.notif_loop_error", error=str(exc),
                               error_type=type(exc).__name__)
@@ -57,12 +57,17 @@ class ProducerHalf:
                                               for r in ss.requests.values())
             self._stop.wait(self.cfg.notif_poll_s if live else self.cfg.idle_poll_s)
 
-    def _p_handle_notifs(self, now: float) -> None:
+    def _p_handle_notifs(self) -> None:
+        notes = self._notifications()
+        # Read the clock after the receipt: a release is stamped (and its
+        # blocks freed) no earlier than it arrived, or replay would see P
+        # free before D's read completed.
+        now = time.monotonic()
         deferred, self._deferred = self._deferred, []
         for since, peer, hb in deferred:
             self._p_contained("deferred_heartbeat", self._p_heartbeat, peer, hb, now, since,
                               peer=peer)
-        for peer, msg in self._notifications():
+        for peer, msg in notes:
             # one peer's odd message must not cost the others theirs
             self._p_contained("notification", self._p_notification, peer, msg, now, peer=peer)
 
@@ -147,7 +152,8 @@ class ProducerHalf:
         Each stage runs whatever an earlier one raised (`_stage`); `finish_step`
         returns ``_report_sending`` to vLLM and only then empties it.
         """
-        self._stage("notifications", self._p_handle_notifs, now)
+        self._stage("notifications", self._p_handle_notifs)
+        now = max(now, time.monotonic())  # frees follow the releases just stamped
         self._stage("lost_consumers", self._p_drop_lost_consumers)
         self._stage("expire", self._p_expire, now)
         self._stage("free", self._p_free, now)
