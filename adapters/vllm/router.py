@@ -15,6 +15,16 @@ Run it with::
 
 It keeps no state and does no load balancing: one P, one D.  The end-to-end
 tests run it in-process (`build_app`).
+
+Two details a router of your own needs too:
+
+* Idle upstream connections are dropped after ``KEEPALIVE_S``, before vLLM's
+  API server closes them (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s).  A pooled
+  connection the server is closing at the moment it is reused fails the
+  request with a reset (``httpx.ReadError``) that no retry may hide: P may
+  already have started the prefill.
+* An upstream that cannot be reached or hangs up answers the client ``502``
+  with a JSON body naming the upstream and the error, never a bare ``500``.
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+KEEPALIVE_S = 2.0  # < vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s): the router lets go first
 
 PREFILL_ONLY = {"max_tokens": 1, "max_completion_tokens": 1, "stream": False,
                 "kv_transfer_params": {"do_remote_decode": True}}
@@ -43,8 +55,14 @@ async def _until_disconnected(request: Request, work: asyncio.Task) -> Any:
     return await work
 
 
-def build_app(prefill_url: str, decode_url: str, timeout_s: float = 300.0) -> FastAPI:
-    client = httpx.AsyncClient(timeout=timeout_s)
+def _upstream_failed(name: str, url: str, exc: httpx.TransportError) -> Response:
+    return JSONResponse({"error": {"type": "upstream_failed", "upstream": name, "url": url,
+                                   "reason": f"{type(exc).__name__}: {exc}"}}, status_code=502)
+
+
+def build_app(prefill_url: str, decode_url: str, timeout_s: float = 300.0,
+              keepalive_s: float = KEEPALIVE_S) -> FastAPI:
+    client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(keepalive_expiry=keepalive_s))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -61,13 +79,18 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 300.0) -> Fa
             p = await _until_disconnected(request, prefill)
         except asyncio.CancelledError:
             return Response(status_code=499)
+        except httpx.TransportError as exc:
+            return _upstream_failed("prefill", prefill_url, exc)
         if p.status_code != 200:
             return Response(p.content, status_code=p.status_code,
                             media_type=p.headers.get("content-type"))
         d_body = body | {"kv_transfer_params": p.json().get("kv_transfer_params")}
         if body.get("stream"):
-            upstream = await client.send(
-                client.build_request("POST", f"{decode_url}{path}", json=d_body), stream=True)
+            try:
+                upstream = await client.send(
+                    client.build_request("POST", f"{decode_url}{path}", json=d_body), stream=True)
+            except httpx.TransportError as exc:
+                return _upstream_failed("decode", decode_url, exc)
             return StreamingResponse(_relay(upstream), status_code=upstream.status_code,
                                      media_type=upstream.headers.get("content-type"))
         decode = asyncio.ensure_future(client.post(f"{decode_url}{path}", json=d_body))
@@ -75,6 +98,8 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 300.0) -> Fa
             d = await _until_disconnected(request, decode)
         except asyncio.CancelledError:
             return Response(status_code=499)
+        except httpx.TransportError as exc:
+            return _upstream_failed("decode", decode_url, exc)
         return Response(d.content, status_code=d.status_code,
                         media_type=d.headers.get("content-type"))
 
