@@ -145,9 +145,17 @@ class Rejected(Event):
 
 @dataclass(frozen=True, slots=True)
 class ReadsPosted(Event):
-    """D posted one READ per split; ``split_ranks[i]`` is split i's P rank."""
+    """D posted one READ per split; split i reads cache group ``split_groups[i]`` from P rank
+    ``split_ranks[i]``.
+
+    Splits are numbered in this order; (rank, group) says what each one
+    reads (a key may repeat where several READs share it).  ``split_groups``
+    empty means every split reads group 0 (a model with one KV cache group,
+    and every log written before hybrid models were supported).
+    """
 
     split_ranks: tuple[int, ...] = (0,)
+    split_groups: tuple[int, ...] = ()
     kind: ClassVar[str] = "reads_posted"
 
 

@@ -100,7 +100,7 @@ class ConsumerRecord:
     """D's view of one request on one rank."""
 
     __slots__ = ("state", "remote_engine", "remote_ranks", "num_blocks", "lease_s", "margin",
-                 "local_id", "split_ranks", "split_done", "failed", "cancelled",
+                 "local_id", "split_ranks", "split_groups", "split_done", "failed", "cancelled",
                  "safe_until", "held_at", "gone", "last_heartbeat", "t0", "t_end")
 
     def __init__(self, t0: float) -> None:
@@ -112,6 +112,7 @@ class ConsumerRecord:
         self.margin = 0.0
         self.local_id = ""
         self.split_ranks: tuple[int, ...] = ()
+        self.split_groups: tuple[int, ...] = ()  # per split: the cache group it reads
         # per split: None in flight, a float completion time, or "" when it failed
         self.split_done: list[float | str | None] = []
         self.failed = ""  # first failure reason
@@ -130,7 +131,8 @@ class ConsumerRecord:
 
     def key(self) -> tuple:
         return (self.state.value, self.remote_engine, self.remote_ranks, self.num_blocks,
-                self.lease_s, self.margin, self.local_id, self.split_ranks, tuple(self.split_done),
+                self.lease_s, self.margin, self.local_id, self.split_ranks, self.split_groups,
+                tuple(self.split_done),
                 self.failed, self.cancelled, tuple(sorted(self.safe_until.items())),
                 tuple(sorted(self.held_at.items())), self.gone, self.last_heartbeat)
 
@@ -279,7 +281,10 @@ def _admit(ss, rec, ev) -> ConsumerRecord:
 def _post_reads(ss, rec: ConsumerRecord, ev) -> ConsumerRecord:
     if not ev.split_ranks:
         raise _Refused("no splits: a request with nothing to read sends a notify-only release")
-    rec.split_ranks = tuple(ev.split_ranks)
+    groups = tuple(ev.split_groups) or (0,) * len(ev.split_ranks)
+    if len(groups) != len(ev.split_ranks):
+        raise _Refused(f"{len(ev.split_groups)} split_groups for {len(ev.split_ranks)} splits")
+    rec.split_ranks, rec.split_groups = tuple(ev.split_ranks), groups
     rec.split_done = [None] * len(ev.split_ranks)
     return rec
 

@@ -101,6 +101,8 @@ _FAST = {
     )
     for kind, (cls, extra) in _DECODERS.items()
 }
+# Fields added after logs of schema 1 were written: a line without one reads as its default.
+_ADDED_LATER = {("reads_posted", "split_groups"): ()}
 _HEADER = (("rid", (str,), "str"), ("engine", (str,), "str"), ("side", (str,), "str"),
            ("rank", (int,), "int"), ("seq", (int,), "int"), ("t", (float, int), "number"))
 _SIDES = {s.value: s for s in Side}
@@ -176,6 +178,9 @@ class _Reader:
             raise LogCorrupt(path, lineno, f"field 'side' must be P or D, found {obj['side']!r}")
         values = []
         for name, types, type_name, convert in extras:
+            if name not in obj and (kind, name) in _ADDED_LATER:
+                values.append(_ADDED_LATER[kind, name])
+                continue
             if name not in obj:
                 raise LogCorrupt(path, lineno, f"{kind}: missing field {name!r}")
             v = obj[name]

@@ -104,3 +104,33 @@ def test_several_logs_read_together(tmp_path):
     p_path, p_events, _ = _log_of(tmp_path, PState.FREED, "p.jsonl")
     d_path, d_events, _ = _log_of(tmp_path, DState.DONE, "d.jsonl")
     assert read_logs([p_path, d_path]) == p_events + d_events
+
+
+def test_reads_posted_of_a_log_before_hybrid_models_reads_as_group_0(tmp_path):
+    """Logs written before splits named their cache group still replay: every split is group 0."""
+    path, written, live = _log_of(tmp_path, DState.DONE)
+    lines = path.read_bytes().split(b"\n")[:-1]
+    posted = next(i for i, raw in enumerate(lines) if orjson.loads(raw)["type"] == "reads_posted")
+    obj = orjson.loads(lines[posted])
+    assert obj.pop("split_groups") == []
+    lines[posted] = orjson.dumps(obj)
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    read = read_log(path)
+    assert read == written and read[posted].split_groups == ()
+    rec = next(iter(fold(read).streams.values())).requests[RID]
+    assert rec.split_groups == (0,) * len(rec.split_ranks)
+    assert state_hash(fold(read)) == state_hash(live)
+
+
+def test_split_groups_round_trip_and_a_wrong_type_is_named(tmp_path):
+    from kvhandoff.core.events import ReadsPosted, Stream, Side
+
+    stream = Stream("decode-0", Side.D, 0)
+    ev = ReadsPosted("r", stream, 0, 1.0, split_ranks=(0, 0), split_groups=(0, 1))
+    write_log(tmp_path / "g.jsonl", [ev])
+    assert read_log(tmp_path / "g.jsonl") == [ev]
+    obj = orjson.loads(orjson.dumps({**orjson.loads((tmp_path / "g.jsonl").read_bytes()),
+                                     "split_groups": [0, "1"]}))
+    (tmp_path / "g.jsonl").write_bytes(orjson.dumps(obj) + b"\n")
+    with pytest.raises(LogCorrupt, match="field 'split_groups' must be list of int"):
+        read_log(tmp_path / "g.jsonl")

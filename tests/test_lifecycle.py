@@ -170,6 +170,8 @@ def test_illegal_sample_is_large():
     (D.READING, SplitCompleted, dict(split=7), "split 7 of 2"),
     (D.RECEIVED, FinishedRecving, {}, None),  # reported once only
     (D.VALIDATED, ReadsPosted, dict(split_ranks=()), "no splits"),
+    (D.VALIDATED, ReadsPosted, dict(split_ranks=(0, 0), split_groups=(1,)),
+     "1 split_groups for 2 splits"),
     (D.VALIDATED, ReleaseSent, dict(notify_only=False), "no guard holds"),
     (D.NEW, Admitted, dict(remote_engine=""), "remote_engine=''"),
 ])
