@@ -1,4 +1,4 @@
-"""A tiny Llama with seeded random weights, written as safetensors.
+"""Tiny models (Llama; hybrid Gemma-3 and Mamba2) with seeded random weights, as safetensors.
 
 vLLM's ``load_format="dummy"`` draws weights whose logits are nearly uniform:
 every prompt then yields the same tokens, so "D's tokens equal the reference"
@@ -8,6 +8,14 @@ tell P's KV from D's own.  A small byte-level BPE tokenizer (built here with
 the ``tokenizers`` library, no download) sits next to the weights so that
 ``vllm serve`` takes text prompts; the engines of the demo and the tests that
 pass token ids run with ``skip_tokenizer_init=True`` and ignore it.
+
+The hybrid models of docs/hybrid.md (appendix) come the same way:
+``write_tiny_gemma3`` (4 layers alternating sliding-window and full
+attention: two KV cache groups) and ``write_tiny_mamba2`` (2 Mamba2 layers:
+one ``MambaSpec`` state group).  ``write_tiny_model(kind, directory)`` picks
+one by name.  Parameter names are the Hugging Face checkpoint names that
+vLLM 0.32's ``gemma3.py`` / ``mamba2.py`` load; vLLM refuses a checkpoint
+with a missing or an unexpected weight, so a clean engine start checks them.
 """
 
 from __future__ import annotations
@@ -151,3 +159,240 @@ def write_tokenizer(directory: str | Path, vocab_size: int = 512) -> Path:
     if not config.exists() or config.read_text() != config_text:
         config.write_text(config_text)
     return path
+
+
+def _save_model(out: Path, config: dict, tensors: dict, seed: int) -> Path:
+    """Write ``model.safetensors`` then ``config.json`` (the config last: it marks a complete write)."""
+    from safetensors.torch import save_file
+
+    weights_path = out / "model.safetensors"
+    tmp = weights_path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(weights_path)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    log.info("vllm.tiny_model.written", path=str(out), seed=seed, model_type=config["model_type"])
+    return out
+
+
+def _up_to_date(out: Path, config: dict) -> bool:
+    """Whether ``out`` already holds weights for exactly ``config`` (idempotent writes)."""
+    config_path, weights_path = out / "config.json", out / "model.safetensors"
+    if not (config_path.exists() and weights_path.exists()):
+        return False
+    try:
+        return json.loads(config_path.read_text()) == config
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class TinyGemma3Spec:
+    """Gemma-3 text model: layers alternate sliding-window and full attention (docs/hybrid.md)."""
+
+    hidden_size: int = 128
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    num_hidden_layers: int = 4
+    intermediate_size: int = 256
+    sliding_window: int = 64
+    vocab_size: int = 512
+    max_position_embeddings: int = 2048
+    weight_std: float = 0.15
+    seed: int = 0
+
+    @property
+    def layer_types(self) -> list[str]:
+        return ["sliding_attention" if i % 2 == 0 else "full_attention"
+                for i in range(self.num_hidden_layers)]
+
+    def hf_config(self) -> dict:
+        return {
+            "architectures": ["Gemma3ForCausalLM"],
+            "model_type": "gemma3_text",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "num_hidden_layers": self.num_hidden_layers,
+            "head_dim": self.head_dim,
+            "sliding_window": self.sliding_window,
+            "layer_types": self.layer_types,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "query_pre_attn_scalar": self.head_dim,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+            "attention_bias": False,
+            "attn_logit_softcapping": None,
+            "final_logit_softcapping": None,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "kvhandoff_tiny_model": asdict(self),
+        }
+
+
+def write_tiny_gemma3(directory: str | Path, spec: TinyGemma3Spec | None = None) -> Path:
+    """Write a seeded tiny ``Gemma3ForCausalLM`` (config, weights, tokenizer) into ``directory``.
+
+    Gemma's RMS norms scale by ``1 + weight``: their weights are written as
+    zeros (identity).  Idempotent like ``write_tiny_llama``.
+    """
+    import torch
+
+    spec = spec or TinyGemma3Spec()
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    config = spec.hf_config()
+    write_tokenizer(out, spec.vocab_size)
+    if _up_to_date(out, config):
+        return out
+
+    gen = torch.Generator().manual_seed(spec.seed)
+    h, inter, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    q_out = spec.num_attention_heads * hd
+    kv_out = spec.num_key_value_heads * hd
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * spec.weight_std).contiguous()
+
+    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rand(spec.vocab_size, h)}
+    for i in range(spec.num_hidden_layers):
+        p = f"model.layers.{i}."
+        tensors[p + "self_attn.q_proj.weight"] = rand(q_out, h)
+        tensors[p + "self_attn.k_proj.weight"] = rand(kv_out, h)
+        tensors[p + "self_attn.v_proj.weight"] = rand(kv_out, h)
+        tensors[p + "self_attn.o_proj.weight"] = rand(h, q_out)
+        tensors[p + "self_attn.q_norm.weight"] = torch.zeros(hd)
+        tensors[p + "self_attn.k_norm.weight"] = torch.zeros(hd)
+        tensors[p + "mlp.gate_proj.weight"] = rand(inter, h)
+        tensors[p + "mlp.up_proj.weight"] = rand(inter, h)
+        tensors[p + "mlp.down_proj.weight"] = rand(h, inter)
+        for norm in ("input_layernorm", "post_attention_layernorm",
+                     "pre_feedforward_layernorm", "post_feedforward_layernorm"):
+            tensors[p + norm + ".weight"] = torch.zeros(h)
+    tensors["model.norm.weight"] = torch.zeros(h)
+    tensors["lm_head.weight"] = rand(spec.vocab_size, h)
+    return _save_model(out, config, tensors, spec.seed)
+
+
+@dataclass(frozen=True, slots=True)
+class TinyMamba2Spec:
+    """Mamba2: ``num_heads * head_dim`` must equal ``expand * hidden_size`` (vLLM's intermediate size)."""
+
+    hidden_size: int = 128
+    num_hidden_layers: int = 2
+    state_size: int = 16
+    expand: int = 2
+    head_dim: int = 64
+    num_heads: int = 4
+    n_groups: int = 1
+    conv_kernel: int = 4
+    chunk_size: int = 64
+    vocab_size: int = 512
+    weight_std: float = 0.15
+    seed: int = 0
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.expand * self.hidden_size
+
+    def hf_config(self) -> dict:
+        if self.num_heads * self.head_dim != self.intermediate_size:
+            raise ValueError(
+                f"tiny Mamba2: num_heads * head_dim ({self.num_heads * self.head_dim}) "
+                f"!= expand * hidden_size ({self.intermediate_size})")
+        return {
+            "architectures": ["Mamba2ForCausalLM"],
+            "model_type": "mamba2",
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "state_size": self.state_size,
+            "expand": self.expand,
+            "head_dim": self.head_dim,
+            "num_heads": self.num_heads,
+            "n_groups": self.n_groups,
+            "conv_kernel": self.conv_kernel,
+            "chunk_size": self.chunk_size,
+            "vocab_size": self.vocab_size,
+            "hidden_act": "silu",
+            "layer_norm_epsilon": 1e-5,
+            "use_bias": False,
+            "use_conv_bias": True,
+            "residual_in_fp32": True,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "kvhandoff_tiny_model": asdict(self),
+        }
+
+
+def write_tiny_mamba2(directory: str | Path, spec: TinyMamba2Spec | None = None) -> Path:
+    """Write a seeded tiny ``Mamba2ForCausalLM`` (config, weights, tokenizer) into ``directory``.
+
+    The state keeps a long memory, so that the output depends on the whole
+    prompt (what a state hand-off must preserve), not only on its last
+    tokens: the time step ``dt = softplus(x·w_dt + dt_bias)`` is small
+    (``dt_bias`` the inverse softplus of 0.001..0.05, ``w_dt`` rows 10x
+    smaller than the rest) and ``A = -exp(A_log)`` lies in -1..-0.1.
+    """
+    import torch
+
+    spec = spec or TinyMamba2Spec()
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    config = spec.hf_config()
+    write_tokenizer(out, spec.vocab_size)
+    if _up_to_date(out, config):
+        return out
+
+    gen = torch.Generator().manual_seed(spec.seed)
+    h, inter, nh = spec.hidden_size, spec.intermediate_size, spec.num_heads
+    gs = spec.n_groups * spec.state_size
+    conv_dim = inter + 2 * gs
+
+    def rand(*shape: int, std: float = spec.weight_std) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * std).contiguous()
+
+    def uniform(n: int, lo: float, hi: float) -> torch.Tensor:
+        return lo + (hi - lo) * torch.rand(n, generator=gen)
+
+    tensors: dict[str, torch.Tensor] = {"backbone.embeddings.weight": rand(spec.vocab_size, h)}
+    for i in range(spec.num_hidden_layers):
+        p = f"backbone.layers.{i}."
+        # in_proj rows: gate z (inter), x (inter), B (gs), C (gs), dt (num_heads)
+        in_proj = rand(2 * inter + 2 * gs + nh, h)
+        in_proj[2 * inter + 2 * gs:] *= 0.1
+        dt = uniform(nh, 0.001, 0.05)
+        tensors[p + "norm.weight"] = torch.ones(h)
+        tensors[p + "mixer.in_proj.weight"] = in_proj.contiguous()
+        tensors[p + "mixer.conv1d.weight"] = rand(conv_dim, 1, spec.conv_kernel, std=0.5)
+        tensors[p + "mixer.conv1d.bias"] = torch.zeros(conv_dim)
+        tensors[p + "mixer.dt_bias"] = dt + torch.log(-torch.expm1(-dt))  # inverse softplus
+        tensors[p + "mixer.A_log"] = torch.log(uniform(nh, 0.1, 1.0))
+        tensors[p + "mixer.D"] = torch.ones(nh)
+        tensors[p + "mixer.norm.weight"] = torch.ones(inter)
+        tensors[p + "mixer.out_proj.weight"] = rand(h, inter)
+    tensors["backbone.norm_f.weight"] = torch.ones(h)
+    tensors["lm_head.weight"] = rand(spec.vocab_size, h)
+    return _save_model(out, config, tensors, spec.seed)
+
+
+TINY_MODEL_KINDS = ("llama", "gemma3", "mamba2")
+
+
+def write_tiny_model(kind: str, directory: str | Path) -> Path:
+    """Write the tiny model ``kind`` (one of ``TINY_MODEL_KINDS``) with its default spec."""
+    writers = {"llama": write_tiny_llama, "gemma3": write_tiny_gemma3, "mamba2": write_tiny_mamba2}
+    if kind not in writers:
+        raise ValueError(f"unknown tiny model kind {kind!r}: expected one of {', '.join(TINY_MODEL_KINDS)}")
+    return writers[kind](directory)
