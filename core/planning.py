@@ -141,6 +141,49 @@ def blocks_needed(group: CacheGroup, num_tokens: int) -> int:
     return total
 
 
+def prefill_backoff(layout: CacheLayout) -> int:
+    """Prompt tokens P leaves to D: 1 when any group keeps less than every block, else 0.
+
+    P's sliding-window and state groups keep what the *next* token needs
+    once a prompt's tokens are computed: the blocks of the window it attends
+    to, the state after the last token.  D must compute the prompt's last
+    token itself (its logits start the decode), and that token needs one
+    token more than P kept (the window one token further back; the state
+    before that token).  So P prefills all but the last prompt token and D
+    loads those and computes the last one, as vLLM's NixlConnector does for
+    state models (``_prefill_backoff``).  Full attention keeps every block:
+    D loads the whole prompt and recomputes its last token.
+    """
+    return 1 if any(g.kind is not CacheKind.FULL_ATTENTION and g.kind is not CacheKind.INDEXER
+                    for g in layout.groups) else 0
+
+
+def export_ids(layout: CacheLayout, block_ids: Sequence[Sequence[int]],
+               num_tokens: int) -> tuple[tuple[int, ...], ...]:
+    """P's block ids, one tuple per group, clipped to what a reader of ``num_tokens`` needs.
+
+    What `plan_group_reads` reads when D holds nothing yet: every block of a
+    full-attention group, the window's blocks of a sliding group (never the
+    null blocks before it), the running state's slot of a state group.
+    Positions past the ``num_tokens``' blocks (allocated for tokens not
+    computed yet) are not P's to hand over.  A list too short is a
+    `GroupMismatch` naming the group.
+    """
+    if len(block_ids) != len(layout.groups):
+        raise GroupMismatch(None, "block id lists", len(layout.groups), len(block_ids))
+    out = []
+    for g, ids in zip(layout.groups, block_ids, strict=True):
+        if not g.kind.reads_state:
+            ids = ids[:-(-num_tokens // g.block_size)]
+        out.append(tuple(_read_positions(g, ids, ids, num_tokens)[0]))
+    return tuple(out)
+
+
+def export_lengths(layout: CacheLayout, num_tokens: int) -> tuple[int, ...]:
+    """How many block ids `export_ids` gives each group for a request of ``num_tokens``."""
+    return tuple(1 if g.kind.reads_state else blocks_needed(g, num_tokens) for g in layout.groups)
+
+
 def plan_group_reads(remote: CacheLayout, local: CacheLayout,
                      remote_ids: Sequence[Sequence[int]], local_ids: Sequence[Sequence[int]],
                      num_tokens: int, rank: int = 0,

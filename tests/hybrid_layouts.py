@@ -51,3 +51,37 @@ D_IDS = ([10, 11, 12, 13, 14, 15, 16],
 # What the plan reads, per group: (remote ids, local ids).
 EXPECTED = {0: (P_IDS[0], D_IDS[0]), 1: (P_IDS[1], D_IDS[1]), 2: ([50], [7]), 3: ([52], [9]),
             4: ([30, 31, 9], [40, 41, 42])}
+
+
+def one_group_layout(layers: list[str], num_blocks: int, block_size: int,
+                     page_bytes: int) -> CacheLayout:
+    """A plain model's layout: one full-attention group, one layer-outermost tensor."""
+    from kvhandoff.core.groups import TensorPlacement, tensor_regions
+
+    size = len(layers) * num_blocks * page_bytes
+    regions = tensor_regions([TensorPlacement(size, tuple(layers), num_blocks * page_bytes,
+                                              page_bytes)], dict.fromkeys(layers, page_bytes),
+                             num_blocks)
+    return CacheLayout((CacheGroup(0, CacheKind.FULL_ATTENTION, block_size, num_blocks,
+                                   tuple(regions[x] for x in layers), tuple(layers)),))
+
+
+def gemma_layout(num_blocks: int, block_size: int, page_bytes: int, window: int,
+                 layers: int = 4) -> CacheLayout:
+    """A Gemma-3-style layout as vLLM 0.32 builds it: even layers sliding, odd layers
+    full attention, the two groups overlaid layer slot by layer slot on one allocation."""
+    from kvhandoff.core.groups import TensorPlacement, tensor_regions
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    sw, full = names[0::2], names[1::2]
+    slot = num_blocks * page_bytes
+    size = len(sw) * slot
+    regions = tensor_regions([TensorPlacement(size, tuple(sw), slot, page_bytes),
+                              TensorPlacement(size, tuple(full), slot, page_bytes)],
+                             dict.fromkeys(names, page_bytes), num_blocks)
+    return CacheLayout((
+        CacheGroup(0, CacheKind.SLIDING_WINDOW, block_size, num_blocks,
+                   tuple(regions[x] for x in sw), tuple(sw), window=window),
+        CacheGroup(1, CacheKind.FULL_ATTENTION, block_size, num_blocks,
+                   tuple(regions[x] for x in full), tuple(full)),
+    ))

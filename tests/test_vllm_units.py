@@ -13,6 +13,8 @@ import pytest
 from conftest import wait_for
 from structlog.testing import capture_logs
 
+from hybrid_layouts import gemma_layout, one_group_layout
+
 from kvhandoff.adapters.vllm.config import ConnectorConfigError, HandoffConfig
 from kvhandoff.adapters.vllm.params import (
     MalformedTransferParams,
@@ -28,11 +30,14 @@ from kvhandoff.adapters.vllm.side_channel import (
     handshake,
 )
 
-GOOD = RemotePrefill("P-1", "req-1", "127.0.0.1", 5600, 1, (3, 4, 5), 300, 30.0, token="t0k")
+GOOD = RemotePrefill("P-1", "req-1", "127.0.0.1", 5600, 1, ((3, 4, 5),), 300, 30.0, token="t0k")
 
 
 def test_params_round_trip():
     assert parse_remote_prefill(GOOD.to_wire()) == GOOD
+    hybrid = RemotePrefill("P-1", "req-1", "127.0.0.1", 5600, 1, ((30, 31), (), (7,)), 300, 30.0)
+    assert parse_remote_prefill(hybrid.to_wire()) == hybrid
+    assert hybrid.to_wire()["remote_block_ids"] == [[30, 31], [], [7]]  # NixlConnector's shape
 
 
 @pytest.mark.parametrize("mutate, field", [
@@ -42,8 +47,11 @@ def test_params_round_trip():
     (lambda p: p.update(remote_block_ids=[[1, -2]]), "remote_block_ids"),
     (lambda p: p.update(remote_block_ids=[[1, "2"]]), "remote_block_ids"),
     (lambda p: p.update(remote_block_ids=[[1, 1]]), "duplicate"),
-    (lambda p: p.update(remote_block_ids=[[1], [2]]), "remote_block_ids"),
+    (lambda p: p.update(remote_block_ids=[[1], 2]), r"remote_block_ids'\]\[1\]: expected a list"),
+    (lambda p: p.update(remote_block_ids=[[1], [2, 1]]), r"\[1\]\[1\]: duplicate block id 1"),
     (lambda p: p.update(remote_block_ids=[[]]), "remote_block_ids"),
+    (lambda p: p.update(remote_block_ids=[]), "expected 1..64 lists"),
+    (lambda p: p.update(remote_block_ids=[[1]] * 65), "expected 1..64 lists"),
     (lambda p: p.update(tp_size=True), "tp_size"),
     (lambda p: p.update(remote_engine_id=""), "remote_engine_id"),
     (lambda p: p.update(remote_num_tokens=0), "remote_num_tokens"),
@@ -86,15 +94,35 @@ def test_config_refuses_bad_values_at_start(extra, policy, key):
         HandoffConfig.from_extra(extra, policy, env={})
 
 
+LAYOUT = one_group_layout(["l.0", "l.1"], 64, 128, 131072)
 COMPAT = {"model": "m", "dtype": "torch.float32", "cache_dtype": "torch.float32", "block_size": 128,
-          "layout": "block-major(2, 128, 128)", "num_kv_heads": 2, "head_size": 64,
-          "num_layers": 2, "tp_size": 1, "block_bytes": 131072, "num_regions": 2}
+          "num_kv_heads": 2, "head_size": 64, "num_layers": 2, "tp_size": 1,
+          "cache_layout": LAYOUT.to_wire()}
 
 
 def test_compat_mismatch_names_field_and_both_values():
     with pytest.raises(PeerIncompatible) as e:
         check_compatible(COMPAT, {**COMPAT, "head_size": 128}, "P-x")
     assert e.value.expected == 64 and e.value.found == 128 and "head_size" in str(e.value)
+
+
+def test_a_peer_with_other_cache_groups_is_refused_naming_the_group_and_field():
+    gemma = gemma_layout(64, 128, 131072, window=64, layers=2)
+    other_window = gemma_layout(64, 128, 131072, window=32, layers=2)
+    with pytest.raises(PeerIncompatible) as e:
+        check_compatible({**COMPAT, "cache_layout": gemma.to_wire()},
+                         {**COMPAT, "cache_layout": other_window.to_wire()}, "P-x")
+    assert "cache group 0: window" in str(e.value) and (e.value.expected, e.value.found) == (64, 32)
+    with pytest.raises(PeerIncompatible, match="number of groups"):
+        check_compatible(COMPAT, {**COMPAT, "cache_layout": gemma.to_wire()}, "P-x")
+    with pytest.raises(PeerIncompatible, match="field 'version'"):
+        check_compatible(COMPAT, {**COMPAT, "cache_layout": {**LAYOUT.to_wire(), "version": 9}},
+                         "P-x")
+    with pytest.raises(PeerIncompatible, match="cache layout"):
+        check_compatible(COMPAT, {k: v for k, v in COMPAT.items() if k != "cache_layout"}, "P-x")
+    # pool sizes are each engine's own: not compared
+    check_compatible(COMPAT, {**COMPAT, "cache_layout": one_group_layout(
+        ["l.0", "l.1"], 999, 128, 131072).to_wire()}, "P-x")
 
 
 def _free_port() -> int:
@@ -131,16 +159,17 @@ def _request(rid, prompt_len=300, params=None, status=None):
                            num_computed_tokens=prompt_len, status=status)
 
 
-def _blocks(ids, hashed=0):
-    group = [SimpleNamespace(block_id=b, block_hash=("h", b) if i < hashed else None, is_null=False)
-             for i, b in enumerate(ids)]
-    return SimpleNamespace(blocks=(group,), get_block_ids=lambda: (list(ids),))
+def _blocks(*groups, hashed=0):
+    """vLLM's KVCacheBlocks for one list of ids per group (0 is the null block)."""
+    return SimpleNamespace(blocks=tuple(
+        [SimpleNamespace(block_id=b, block_hash=("h", b) if i < hashed else None, is_null=b == 0)
+         for i, b in enumerate(ids)] for ids in groups))
 
 
-def _sched(producer):
+def _sched(producer, layout=LAYOUT):
     from kvhandoff.adapters.vllm.scheduler import HandoffScheduler
 
-    return HandoffScheduler(HandoffConfig.from_extra({}, env={}), "E", producer, 128, 1)
+    return HandoffScheduler(HandoffConfig.from_extra({}, env={}), "E", producer, layout, 1)
 
 
 def test_decode_side_keeps_blocks_only_while_reads_are_in_flight():
@@ -154,8 +183,8 @@ def test_decode_side_keeps_blocks_only_while_reads_are_in_flight():
     assert s.get_num_new_matched_tokens(inflight, 0) == (0, False)  # one load per request
     plan = s.build_plan()
     assert [a.local_id for a in plan.admits] == ["a", "b", "c"]
-    assert [(r.local_id, r.local_block_ids, r.skip) for r in plan.reads] == [
-        ("b", [[7, 8, 9]], 0), ("c", [[1, 2, 3]], 0)]
+    assert [(r.local_id, r.local_block_ids) for r in plan.reads] == [
+        ("b", [[7, 8, 9]]), ("c", [[1, 2, 3]])]
     s.update_connector_output({"c"})
     assert s.request_finished(early, ([],)) == (False, None)  # never read: notify-only
     assert s.request_finished(inflight, ([7, 8, 9],)) == (True, None)  # reads own the pages
@@ -169,7 +198,7 @@ def test_a_local_prefix_hit_is_skipped_not_overwritten():
     s.on_new_request(r)
     s.update_state_after_alloc(r, _blocks([40, 41, 42], hashed=2), 44)
     (read,) = s.build_plan().reads
-    assert (read.local_block_ids, read.skip, read.awaiting) == ([[42]], 2, True)
+    assert (read.local_block_ids, read.awaiting) == ([[42]], True)
 
 
 def test_malformed_params_still_load_so_the_worker_can_fail_them():
@@ -193,11 +222,59 @@ def test_prefill_side_exports_with_a_token_or_reports_an_abort():
     delay, params = s.request_finished(done, ([4, 5, 6],))
     assert delay is True
     parsed = parse_remote_prefill(params)
-    assert parsed.block_ids == (4, 5, 6) and parsed.engine_id == "E" and len(parsed.token) == 32
+    assert parsed.block_ids == ((4, 5, 6),) and parsed.engine_id == "E" and len(parsed.token) == 32
     assert s.request_finished(gone, ([1],)) == (False, None)
     plan = s.build_plan()
     assert plan.prefill_started == ["p1", "p2"] and plan.aborted == ["p2"]
     assert [(e.request_id, e.num_blocks, e.token) for e in plan.exports] == [("p1", 3, parsed.token)]
+
+
+GEMMA = gemma_layout(64, 16, 4096, window=32)  # 16-token blocks, a 32-token window
+
+
+def _prompt_request(rid, n, params, status=None):
+    r = _request(rid, prompt_len=n, params=params, status=status)
+    r.num_prompt_tokens, r._all_token_ids, r.max_tokens = n, list(range(n)), 50
+    return r
+
+
+def test_hybrid_prefill_leaves_the_last_token_to_d_and_exports_only_what_d_reads():
+    from vllm.v1.request import RequestStatus
+
+    p = _sched(producer=True, layout=GEMMA)
+    r = _prompt_request("p1", 100, {"do_remote_decode": True},
+                        status=RequestStatus.FINISHED_LENGTH_CAPPED)
+    p.on_new_request(r)
+    p.on_new_request(r)  # rescheduled after a preemption: truncated once only
+    assert (len(r.prompt_token_ids), r.num_prompt_tokens, len(r._all_token_ids), r.max_tokens) == (
+        99, 99, 99, 1)
+    r.num_computed_tokens = 99  # 7 blocks; the window keeps tokens 68.. = positions 4, 5, 6
+    delay, params = p.request_finished(r, ([0, 0, 0, 0, 30, 31, 9], [10, 11, 12, 13, 14, 15, 16]))
+    assert delay is True and params["remote_num_tokens"] == 99
+    assert params["remote_block_ids"] == [[30, 31, 9], [10, 11, 12, 13, 14, 15, 16]]
+    assert p.build_plan().exports[0].num_blocks == 10  # one lease over both groups
+
+    d = _sched(producer=False, layout=GEMMA)
+    q = _prompt_request("d1", 100, {**parse_remote_prefill(params).to_wire()})
+    d.on_new_request(q)
+    assert d.get_num_new_matched_tokens(q, 0) == (99, True)  # D computes token 99 itself
+    # vLLM's D blocks: the window's out-of-range positions are null at allocation; a block
+    # allocated past the loaded tokens' last one is not a target.
+    d.update_state_after_alloc(q, _blocks([0, 0, 0, 0, 40, 41, 42], [50, 51, 52, 53, 54, 55, 56, 57]),
+                               99)
+    (read,) = d.build_plan().reads
+    assert read.local_block_ids == [[0, 0, 0, 0, 40, 41, 42], [50, 51, 52, 53, 54, 55, 56]]
+
+
+def test_a_plain_model_loads_the_whole_prompt_and_p_keeps_it_whole():
+    p = _sched(producer=True)
+    r = _prompt_request("p1", 300, {"do_remote_decode": True})
+    p.on_new_request(r)
+    assert len(r.prompt_token_ids) == 300 and r.max_tokens == 50  # no backoff: full attention
+    d = _sched(producer=False)
+    q = _request("d1", params=GOOD.to_wire())
+    d.on_new_request(q)
+    assert d.get_num_new_matched_tokens(q, 0) == (300, True)
 
 
 def test_connector_stats_aggregate_and_export_to_prometheus():

@@ -21,6 +21,8 @@ from structlog.testing import capture_logs
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
 
+from hybrid_layouts import gemma_layout, one_group_layout  # noqa: E402
+
 from kvhandoff.adapters.vllm.config import HandoffConfig  # noqa: E402
 from kvhandoff.adapters.vllm.demo import analyse_logs  # noqa: E402
 from kvhandoff.adapters.vllm.metadata import Admit, Export, Failure, Read, StepPlan  # noqa: E402
@@ -46,14 +48,17 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+LAYOUT = one_group_layout(NAMES, NUM_BLOCKS, BLOCK, HEADS * BLOCK * 2 * HEAD * 2)
+
+
 def _caches(fill: bool) -> dict[str, object]:
+    """Per-layer views of one allocation, block-major (vLLM's LBHNC), as vLLM allocates them."""
     gen = torch.Generator().manual_seed(1)
-    out = {}
-    for i in range(LAYERS):
-        shape = (NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD)  # block-major, like vLLM's LBHNC
-        t = (torch.randn(shape, generator=gen).half() if fill else torch.zeros(shape).half())
-        out[f"model.layers.{i}.self_attn.attn"] = t.to(DEVICE)
-    return out
+    shape = (LAYERS, NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD)
+    buf = (torch.randn(shape, generator=gen).half() if fill else torch.zeros(shape).half())
+    buf = buf.to(DEVICE)
+    return {name: buf[i] for i, name in enumerate(NAMES)}
 
 
 @pytest.fixture
@@ -65,8 +70,8 @@ def workers(tmp_path):
     p = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "P-w", Side.P, 0, 1, COMPAT)
     d = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "D-w", Side.D, 0, 1, COMPAT)
     pc, dc = _caches(True), _caches(False)
-    p.register_kv_caches(pc)
-    d.register_kv_caches(dc)
+    p.register_kv_caches(pc, LAYOUT)
+    d.register_kv_caches(dc, LAYOUT)
     yield p, d, pc, dc, port
     d.close()
     p.close()
@@ -80,7 +85,7 @@ def _export(p: HandoffWorker, rid: str, n: int, token: str) -> None:
 
 
 def _params(rid: str, port: int, blocks: tuple[int, ...], token: str, **kw) -> dict:
-    r = RemotePrefill("P-w", rid, "127.0.0.1", port, 1, blocks, len(blocks) * BLOCK, LEASE,
+    r = RemotePrefill("P-w", rid, "127.0.0.1", port, 1, (blocks,), len(blocks) * BLOCK, LEASE,
                       token=token, **kw)
     return r.to_wire()
 
@@ -197,7 +202,7 @@ def test_parameters_read_again_after_the_release_are_refused_not_served(workers,
              "log_dir": str(tmp_path / "again"), "side_channel_port": port, "read_timeout_s": 10.0}
     d2 = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "D-w", Side.D, 0, 1, COMPAT)
     try:
-        d2.register_kv_caches(_caches(False))
+        d2.register_kv_caches(_caches(False), LAYOUT)
         d2.start_step(StepPlan(admits=[Admit("L5b", params, "", 2 * BLOCK)],
                                reads=[Read("L5b", [[3, 4]])]))
         _, recved, failed = _pump(p, d2, lambda s, r, f: "L5b" in r, timeout=LEASE * 2)
@@ -330,7 +335,7 @@ def test_an_untrusted_producer_gets_not_a_single_packet(tmp_path, trusted, port,
     extra = {"lease_s": LEASE, "log_dir": str(tmp_path), "trusted_producers": trusted}
     d = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "D-t", Side.D, rank, 2, COMPAT)
     try:
-        d.register_kv_caches(_caches(False))
+        d.register_kv_caches(_caches(False), LAYOUT)
         params = _params("r8", port, (1,), "tok-8")
         with capture_logs() as logs:
             d.start_step(StepPlan(admits=[Admit("L8", params, "", BLOCK)], reads=[Read("L8", [[1]])]))
@@ -486,7 +491,7 @@ def test_d_remembers_a_request_for_two_of_the_requests_leases_when_longer(worker
     p, d, pc, dc, port = workers
     long_lease = LEASE * 10  # P's lease, longer than D's cfg.lease_s
     _export(p, "r14", 1, "tok-14")
-    params = RemotePrefill("P-w", "r14", "127.0.0.1", port, 1, (16,), BLOCK, long_lease,
+    params = RemotePrefill("P-w", "r14", "127.0.0.1", port, 1, ((16,),), BLOCK, long_lease,
                            token="tok-14").to_wire()
     d.start_step(StepPlan(admits=[Admit("L14", params, "", BLOCK)], reads=[Read("L14", [[16]])]))
     _pump(p, d, lambda s, r, f: "r14" in s and "L14" in r)
@@ -500,7 +505,7 @@ def test_d_remembers_a_request_for_two_of_the_requests_leases_when_longer(worker
 def test_another_producers_request_with_a_known_id_is_not_called_a_reuse(workers):
     p, d, pc, dc, port = workers
     _done_handoff(p, d, port, "r15", "L15", (17,), "tok-15", [17])
-    other = RemotePrefill("P-other", "r15", "127.0.0.1", port, 1, (17,), BLOCK, LEASE,
+    other = RemotePrefill("P-other", "r15", "127.0.0.1", port, 1, ((17,),), BLOCK, LEASE,
                           token="x").to_wire()
     with capture_logs() as logs:
         d.start_step(StepPlan(admits=[Admit("L15b", other, "", BLOCK)], reads=[Read("L15b", [[18]])]))
@@ -526,3 +531,102 @@ def test_a_deferred_heartbeat_that_raises_costs_only_itself(workers, monkeypatch
         p._deferred += [(t, "no-peer", messages.Heartbeat("D-x", 0, t, (rid,), ()))
                         for rid in ("a", "b")]
     wait_for(lambda: ("b",) in answered, 5, "the deferred heartbeat of b to be answered")
+
+
+# ---- hybrid models: a Gemma-3-style layout, two groups overlaid on one allocation ------
+
+WINDOW = 32  # tokens: two 16-token blocks
+GEMMA = gemma_layout(NUM_BLOCKS, BLOCK, HEADS * BLOCK * 2 * HEAD * 2, WINDOW, LAYERS)
+SLIDING, FULL = NAMES[0::2], NAMES[1::2]
+
+
+def _gemma_caches(fill: bool) -> tuple[dict[str, object], object]:
+    """vLLM 0.32's hybrid allocation: layer slot k holds sliding layer 2k and full layer 2k+1."""
+    gen = torch.Generator().manual_seed(2)
+    shape = (LAYERS // 2, NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD)
+    buf = (torch.randn(shape, generator=gen).half() if fill else torch.zeros(shape).half())
+    buf = buf.to(DEVICE)
+    return {name: buf[i // 2] for i, name in enumerate(NAMES)}, buf
+
+
+@pytest.fixture
+def gemma_workers(tmp_path):
+    port = _port()
+    extra = {"lease_s": LEASE, "heartbeat_interval_s": 0.3, "lease_margin_s": 0.2,
+             "log_dir": str(tmp_path), "side_channel_port": port, "read_timeout_s": 10.0}
+    p = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "P-g", Side.P, 0, 1, COMPAT)
+    d = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "D-g", Side.D, 0, 1, COMPAT)
+    (pc, pbuf), (dc, dbuf) = _gemma_caches(True), _gemma_caches(False)
+    p.register_kv_caches(pc, GEMMA)
+    d.register_kv_caches(dc, GEMMA)
+    yield p, d, pbuf, dbuf, port
+    d.close()
+    p.close()
+
+
+# P prefilled 99 of a 100-token prompt (D computes the last one): 7 blocks of 16 tokens.
+# The window keeps tokens 68.. (the last token D computes attends to 68..99): positions 4-6.
+P_SLIDING, P_FULL = (30, 31, 9), (10, 11, 12, 13, 14, 15, 16)
+D_SLIDING, D_FULL = [0, 0, 0, 0, 40, 41, 42], [50, 51, 52, 53, 54, 55, 56]
+
+
+def _gemma_params(rid, port, token, ids=(P_SLIDING, P_FULL)) -> dict:
+    return RemotePrefill("P-g", rid, "127.0.0.1", port, 1, ids, 99, LEASE, token=token).to_wire()
+
+
+def test_a_hybrid_hand_off_reads_each_group_s_blocks_and_the_window_s_only(gemma_workers):
+    p, d, pbuf, dbuf, port = gemma_workers
+    _export(p, "g1", len(P_SLIDING) + len(P_FULL), "tok-g1")
+    d.start_step(StepPlan(admits=[Admit("G1", _gemma_params("g1", port, "tok-g1"), "", 100)],
+                          reads=[Read("G1", [D_SLIDING, D_FULL])]))
+    sent, recved, failed = _pump(p, d, lambda s, r, f: "g1" in s and "G1" in r)
+    assert failed == set()
+    # Each layer slot holds both groups' blocks; every block D got is P's, and nothing else
+    # moved: not the sliding window's null positions, not one block more.
+    src = list(P_SLIDING) + list(P_FULL)
+    dst = D_SLIDING[4:] + D_FULL
+    assert torch.equal(pbuf[:, src].cpu(), dbuf[:, dst].cpu())
+    untouched = [b for b in range(NUM_BLOCKS) if b not in dst]
+    assert not dbuf[:, untouched].abs().sum().item()
+    page = GEMMA.groups[0].block_bytes  # both layer slots' pages of one block
+    d_events = [e for e in read_log(d.flush()) if e.request_id == "g1"]
+    posted = next(e for e in d_events if e.kind == "reads_posted")
+    assert (posted.split_ranks, posted.split_groups) == ((0, 0), (0, 1))  # one split per group
+    assert sorted(e.split for e in d_events if e.kind == "split_completed") == [0, 1]
+    # The window's blocks, not the prompt's: 3 of 7 sliding blocks, 7 full ones.
+    assert d.total["bytes_read"] == (3 + 7) * page
+    assert sorted(d.total["read_bytes"]) == [3 * page, 7 * page]
+    a = analyse_logs([p.flush(), d.flush()])
+    assert a["replay_violations"] == 0 and a["p_frees"] == 1 and a["double_frees"] == 0
+
+
+@pytest.mark.parametrize(("ids", "named"), [
+    (((30, 31), P_FULL), "len(remote_block_ids[0]) (group 0, sliding_window): expected 3, found 2"),
+    ((P_SLIDING,), "len(remote_block_ids) (KV cache groups): expected 2, found 1"),
+    ((P_SLIDING, P_FULL[:-1] + (NUM_BLOCKS,)), "remote_block_ids[1][6]"),
+])
+def test_hybrid_params_that_do_not_fit_a_group_are_rejected_naming_it(gemma_workers, ids, named):
+    p, d, pbuf, dbuf, port = gemma_workers
+    _export(p, "g2", 10, "tok-g2")
+    d.start_step(StepPlan(admits=[Admit("G2", _gemma_params("g2", port, "tok-g2", ids), "", 100)]))
+    _pump(p, d, lambda s, r, f: bool(d._peers), timeout=5)
+    d.start_step(StepPlan(reads=[Read("G2", [D_SLIDING, D_FULL])]))
+    sent, recved, failed = _pump(p, d, lambda s, r, f: "g2" in s and "G2" in r)
+    assert failed == {"G2"}
+    reason = next(e for e in read_log(d.flush()) if e.request_id == "g2" and e.kind == "rejected").reason
+    assert named in reason
+    assert not dbuf.abs().sum().item()
+
+
+def test_a_local_block_list_that_does_not_fit_fails_the_read_naming_the_group(gemma_workers):
+    p, d, pbuf, dbuf, port = gemma_workers
+    _export(p, "g3", 10, "tok-g3")
+    # D's sliding list claims a null block where the window must be read.
+    d.start_step(StepPlan(admits=[Admit("G3", _gemma_params("g3", port, "tok-g3"), "", 100)],
+                          reads=[Read("G3", [[0, 0, 0, 0, 0, 41, 42], D_FULL])]))
+    sent, recved, failed = _pump(p, d, lambda s, r, f: "g3" in s and "G3" in r)
+    assert failed == {"G3"}
+    events = [e for e in read_log(d.flush()) if e.request_id == "g3"]
+    assert "cache group 0: local block ids[0] (the null block)" in next(
+        e for e in events if e.kind == "split_failed").reason
+    assert not dbuf.abs().sum().item()

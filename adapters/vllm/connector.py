@@ -3,9 +3,10 @@
 vLLM builds one instance in the scheduler (role SCHEDULER) and one per worker
 (role WORKER); each forwards to `HandoffScheduler` or `HandoffWorker`.
 Topologies the connector cannot serve are refused here, at engine start-up:
-pipeline parallelism, decode/prefill context parallelism, ``kv_both``,
-several KV cache groups (hybrid models), MLA, and caches that are not
-block-major.
+pipeline parallelism, decode/prefill context parallelism, ``kv_both``, MLA,
+and cache groups other than full attention, sliding window and Mamba state
+(`adapters.vllm.layout`).  Hybrid models (several KV cache groups) are
+served: the connector subclasses ``SupportsHMA``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvhandoff.adapters.vllm import stats as kstats
 from kvhandoff.adapters.vllm.config import HandoffConfig, UnsupportedTopology
+from kvhandoff.adapters.vllm.layout import cache_layout
 from kvhandoff.adapters.vllm.metadata import metadata_class
 from kvhandoff.adapters.vllm.scheduler import HandoffScheduler
 from kvhandoff.adapters.vllm.worker import HandoffWorker
@@ -32,6 +34,8 @@ from kvhandoff.core.events import Side
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+    from kvhandoff.core.groups import CacheLayout
 
 log = structlog.get_logger(__name__)
 
@@ -116,7 +120,8 @@ def stats_snapshot() -> dict[str, Any]:
     return out
 
 
-def _check_topology(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
+def _check_topology(vllm_config: VllmConfig, kv_cache_config: Any) -> CacheLayout:
+    """The engine's cache layout; `UnsupportedTopology` naming every problem otherwise."""
     par = vllm_config.parallel_config
     kvt = vllm_config.kv_transfer_config
     problems = []
@@ -133,19 +138,24 @@ def _check_topology(vllm_config: VllmConfig, kv_cache_config: Any) -> None:
     model = vllm_config.model_config
     if model is not None and getattr(model, "use_mla", False):
         problems.append("MLA attention (not supported yet)")
-    if kv_cache_config is not None:
-        groups = getattr(kv_cache_config, "kv_cache_groups", [])
-        if len(groups) != 1:
-            problems.append(f"{len(groups)} KV cache groups (hybrid models are not supported yet)")
+    layout = None
+    if kv_cache_config is None:
+        problems.append("no kv_cache_config (vLLM >= 0.32 passes one to connectors)")
+    else:
+        try:
+            layout = cache_layout(kv_cache_config)
+        except UnsupportedTopology as exc:
+            problems.append(str(exc))
     if problems:
         raise UnsupportedTopology("KVHandoffConnector cannot serve this engine: " + "; ".join(problems))
+    return layout
 
 
 class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        _check_topology(vllm_config, kv_cache_config)
+        self.layout = _check_topology(vllm_config, kv_cache_config)
         kvt = vllm_config.kv_transfer_config
         self.cfg = HandoffConfig.from_extra(kvt.kv_connector_extra_config,
                                             kvt.kv_load_failure_policy)
@@ -163,8 +173,7 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: HandoffWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = HandoffScheduler(self.cfg, self.engine_id, self.producer,
-                                              vllm_config.cache_config.block_size,
-                                              par.tensor_parallel_size)
+                                              self.layout, par.tensor_parallel_size)
             # The issue asks for the log location at start; stderr, not stdout
             # (NIXL owns stdout).
             print(f"kvhandoff: {self.engine_id} ({'P' if self.producer else 'D'}) event logs in "
@@ -241,7 +250,7 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
     # ---- worker side ------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self.worker.register_kv_caches(kv_caches)
+        self.worker.register_kv_caches(kv_caches, self.layout)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata

@@ -46,13 +46,14 @@ from kvhandoff.core.lifecycle import (
     Verdict,
     read_verdict_of,
 )
-from kvhandoff.core.planning import coalesce, validate_block_ids
+from kvhandoff.core.groups import CacheLayout
+from kvhandoff.core.planning import export_lengths, plan_group_reads, validate_block_ids
 from kvhandoff.core.policy import (
     awaiting_proof,
     heartbeat_due,
     reads_to_report,
 )
-from kvhandoff.transports.base import ReadRequest
+from kvhandoff.transports.base import group_splits
 
 log = structlog.get_logger(__name__)
 
@@ -73,6 +74,7 @@ class ProducerLink:
     agent: str
     num_blocks: int
     tp_size: int
+    layout: CacheLayout  # P rank's cache groups, checked against ours at the handshake
 
 
 @dataclass(slots=True)
@@ -86,13 +88,13 @@ class IncomingHandoff:
     read_entry: bool = False  # vLLM parked it in WAITING_FOR_REMOTE_KVS: report exactly once
     handles: dict[int, int] = field(default_factory=dict)  # transport handle -> split
     posted_at: float = 0.0
-    bytes: int = 0
+    split_bytes: list[int] = field(default_factory=list)  # bytes each split reads
     timed_out: bool = False  # a READ outlived read_timeout_s (its splits are failed)
     gave_up: bool = False  # failed by _give_up after an unexpected error
     repeats: int = 0  # errors contained for it after it was given up
     held: list[tuple[float, int, bool, str]] = field(default_factory=list)
     parked: bool = False  # waiting for the handshake with its P
-    pending_read: tuple[list[list[int]], bool, int] | None = None  # a read that came while parked
+    pending_read: tuple[list[list[int]], bool] | None = None  # a read that came while parked
     cancelled: bool = False
 
     @property
@@ -171,11 +173,13 @@ class ConsumerHalf:
                     if not all(type(v) is int for v in (num_blocks, tp_size)):
                         raise HandshakeFailed(f"{key[0]}:{key[1]}: num_blocks / tp_size must be "
                                               f"integers, found {num_blocks!r} / {tp_size!r}")
+                    layout = CacheLayout.from_wire(hello["compat"].get("cache_layout"))
                     agent = self.transport.add_peer(md)
                 except Exception as exc:
                     error = exc
                 else:
-                    self._peers[key] = ProducerLink(hello["engine_id"], agent, num_blocks, tp_size)
+                    self._peers[key] = ProducerLink(hello["engine_id"], agent, num_blocks, tp_size,
+                                                    layout)
                     log.info("vllm.worker.producer_connected", producer=hello["engine_id"],
                              agent=agent)
             if error is not None:
@@ -195,9 +199,9 @@ class ConsumerHalf:
             if inc.read_entry:
                 self._fail_now.append(a.local_id)  # vLLM kept its pages: report once
         elif inc.pending_read is not None:
-            ids, awaiting, skip = inc.pending_read
+            ids, awaiting = inc.pending_read
             inc.pending_read = None
-            self._post_read(a.local_id, ids, awaiting, now, skip)
+            self._post_read(a.local_id, ids, awaiting, now)
 
     def _admit(self, a: Admit, now: float) -> None:
         from kvhandoff.adapters.vllm.params import parse_remote_prefill
@@ -290,19 +294,29 @@ class ConsumerHalf:
             f"{rec.local_id!r} (state {rec.state.value}): transfer parameters are single-use")
 
     def _geometry_problem(self, remote: RemotePrefill, peer: ProducerLink, num_prompt_tokens: int) -> str:
-        bs = int(self.compat["block_size"])
+        """Why ``remote`` cannot be read into this D, or "" (checked before any READ)."""
+        load = num_prompt_tokens - self.backoff if num_prompt_tokens > self.backoff else num_prompt_tokens
+        what = ("remote_num_tokens (D's prompt length)" if not self.backoff else
+                f"remote_num_tokens (D's prompt length - {self.backoff}: D computes the rest)")
         checks = [
             ("tp_size", peer.tp_size, remote.tp_size),
-            ("remote_num_tokens (D's prompt length)", num_prompt_tokens, remote.num_tokens),
-            ("len(remote_block_ids)", math.ceil(remote.num_tokens / bs), len(remote.block_ids)),
+            (what, load, remote.num_tokens),
+            ("len(remote_block_ids) (KV cache groups)", len(self.layout.groups),
+             len(remote.block_ids)),
         ]
         for what, expected, found in checks:
             if expected != found:
                 return str(GeometryMismatch(what, expected=expected, found=found))
-        try:  # against P's real pool, now that the handshake told us its size
-            validate_block_ids(remote.block_ids, peer.num_blocks, "remote_block_ids")
-        except GeometryMismatch as exc:
-            return str(exc)
+        lengths = export_lengths(self.layout, remote.num_tokens)
+        for g, (ids, n) in enumerate(zip(remote.block_ids, lengths, strict=True)):
+            if len(ids) != n:
+                return str(GeometryMismatch(f"len(remote_block_ids[{g}]) (group {g}, "
+                                            f"{self.layout.groups[g].kind.value})",
+                                            expected=n, found=len(ids)))
+            try:  # against P's real pool, now that the handshake told us its size
+                validate_block_ids(ids, peer.num_blocks, f"remote_block_ids[{g}]")
+            except GeometryMismatch as exc:
+                return str(exc)
         return ""
 
     def _release(self, rid: str, now: float, notify_only: bool) -> None:
@@ -344,7 +358,7 @@ class ConsumerHalf:
             del self._by_remote[inc.remote.request_id]
 
     def _post_read(self, local_id: str, local_block_ids: list[list[int]], awaiting: bool,
-                   now: float, skip: int = 0) -> None:
+                   now: float) -> None:
         inc = self._incoming.get(local_id)
         if inc is None:
             log.error("vllm.worker.read_for_unknown_request", local_request_id=local_id)
@@ -353,7 +367,7 @@ class ConsumerHalf:
             return
         inc.read_entry = awaiting
         if inc.parked:  # the handshake with its P is still running: post when it is done
-            inc.pending_read = (local_block_ids, awaiting, skip)
+            inc.pending_read = (local_block_ids, awaiting)
             return
         rid = inc.remote.request_id if inc.admitted and inc.remote else None
         rec = self._rec(rid) if rid else None
@@ -367,30 +381,33 @@ class ConsumerHalf:
             self._release(rid, now, notify_only=True)
             self._forget(local_id)
             return
-        remote_ids = inc.remote.block_ids[skip:]  # D already holds the first ``skip`` blocks
-        local = list(local_block_ids[0]) if local_block_ids else []
-        self._record(ReadsPosted, rid, now, split_ranks=(self.rank,))
+        peer = self._peers[self._dial_address(inc.remote)]
         inc.posted_at = now
-        if len(local) < len(remote_ids):
-            self._record(SplitFailed, rid, now, split=0,
-                         reason=str(GeometryMismatch("local blocks", expected=len(remote_ids),
-                                                     found=len(local))))
+        try:  # one READ split per cache group that needs one (core.planning)
+            plan = plan_group_reads(peer.layout, self.layout, inc.remote.block_ids,
+                                    local_block_ids, inc.remote.num_tokens, self.rank,
+                                    null_block=0)
+        except GeometryMismatch as exc:
+            self._record(ReadsPosted, rid, now, split_ranks=(self.rank,))
+            self._record(SplitFailed, rid, now, split=0, reason=str(exc)[:500])
             self._count("reads_failed")
             return
-        local = local[:len(remote_ids)]
-        if not remote_ids:  # everything was a local hit after all: nothing to move
+        if plan.notify_only:  # everything was a local hit after all: nothing to move
+            self._record(ReadsPosted, rid, now, split_ranks=(self.rank,))
             self._record(SplitCompleted, rid, now, split=0)
             return
-        peer = self._peers[self._dial_address(inc.remote)]
-        try:
-            handle = self.transport.post_read(peer.agent, ReadRequest(coalesce(remote_ids, local)))
-        except Exception as exc:
-            self._record(SplitFailed, rid, now, split=0, reason=f"post failed: {exc}")
-            self._count("reads_failed")
-            return
-        inc.handles[handle] = 0
-        inc.bytes = len(remote_ids) * self.block_bytes_total
-        self._count("reads_posted")
+        self._record(ReadsPosted, rid, now, split_ranks=tuple(r.rank for r in plan.reads),
+                     split_groups=tuple(r.group for r in plan.reads))
+        inc.split_bytes = [r.nbytes for r in plan.reads]
+        for split, read in enumerate(plan.reads):
+            try:
+                handle = self.transport.post_split_read(peer.agent, group_splits([read]))
+            except Exception as exc:
+                self._record(SplitFailed, rid, now, split=split, reason=f"post failed: {exc}")
+                self._count("reads_failed")
+                continue
+            inc.handles[handle] = split
+            self._count("reads_posted")
 
     def _d_plan(self, plan: StepPlan, now: float) -> None:
         for a in plan.admits:
@@ -399,7 +416,7 @@ class ConsumerHalf:
             self._scheduler_failed(f, now)
         for r in plan.reads:
             self._contained("read", r.local_id, now, self._post_read, r.local_id,
-                            r.local_block_ids, r.awaiting, now, r.skip, awaiting=r.awaiting)
+                            r.local_block_ids, r.awaiting, now, awaiting=r.awaiting)
         for local_id in plan.cancels:
             self._contained("cancel", local_id, now, self._cancel, local_id, now)
 
@@ -534,10 +551,10 @@ class ConsumerHalf:
             if ok:
                 self._record(SplitCompleted, rid, now, split=split)
                 self._count("reads_completed")
-                self._count("bytes_read", inc.bytes)
+                self._count("bytes_read", inc.split_bytes[split])
                 for bucket in (self.stats, self.total):
                     bucket["read_s"].append(now - inc.posted_at)
-                    bucket["read_bytes"].append(inc.bytes)
+                    bucket["read_bytes"].append(inc.split_bytes[split])
                 self._urgent.add(self._dial_address(inc.remote))
             else:
                 self._record(SplitFailed, rid, now, split=split, reason=reason or "read failed")

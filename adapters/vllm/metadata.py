@@ -29,16 +29,19 @@ class Admit:
 
 @dataclass(slots=True)
 class Read:
-    """D: vLLM allocated ``local_block_ids`` (one list per KV cache group) to fill for the request.
+    """D: vLLM allocated ``local_block_ids`` to fill for the request.
 
-    ``awaiting`` is False for a full local prefix hit: nothing to read, the
-    scheduler is not waiting for a completion.
+    One list per KV cache group, in position order, ending at the loaded
+    tokens' last block; blocks D holds from its own prefix cache are left
+    out, null blocks (positions a sliding window does not keep) stay
+    (`HandoffScheduler._load_targets`).  ``awaiting`` is False for a full
+    local prefix hit: nothing to read, the scheduler is not waiting for a
+    completion.
     """
 
     local_id: str
     local_block_ids: list[list[int]]
     awaiting: bool = True
-    skip: int = 0  # leading blocks D already holds (local prefix-cache hit): not read
 
 
 @dataclass(slots=True)

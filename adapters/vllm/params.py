@@ -17,6 +17,7 @@ from typing import Any
 from kvhandoff.core.errors import MalformedMessage
 
 MAX_LEASE_S = 86400.0
+MAX_GROUPS = 64
 
 PROTOCOL = "kvhandoff/1"
 DEBUG_DELAY_KEY = "kvhandoff_debug_read_delay_s"
@@ -35,7 +36,7 @@ class RemotePrefill:
     host: str
     port: int
     tp_size: int
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]  # one tuple per KV cache group, in group order
     num_tokens: int
     lease_s: float
     debug_read_delay_s: float = 0.0  # honoured only where D enables debug_read_delay_param
@@ -46,7 +47,7 @@ class RemotePrefill:
             "do_remote_prefill": True, "do_remote_decode": False, "protocol": PROTOCOL,
             "remote_engine_id": self.engine_id, "remote_request_id": self.request_id,
             "remote_host": self.host, "remote_port": self.port, "tp_size": self.tp_size,
-            "pp_size": 1, "dcp_size": 1, "remote_block_ids": [list(self.block_ids)],
+            "pp_size": 1, "dcp_size": 1, "remote_block_ids": [list(g) for g in self.block_ids],
             "remote_num_tokens": self.num_tokens, "lease_s": self.lease_s,
             DEBUG_DELAY_KEY: self.debug_read_delay_s, "release_token": self.token,
         }
@@ -93,23 +94,7 @@ def parse_remote_prefill(params: Any, max_block_id: int = 1 << 31) -> RemotePref
         # Bounded: D remembers a request two leases after it ends (single-use).
         raise MalformedTransferParams(
             f"kv_transfer_params['lease_s']: expected a number in (0, {MAX_LEASE_S:g}], found {lease!r}")
-    groups = _get(params, "remote_block_ids", list)
-    if len(groups) != 1 or not isinstance(groups[0], list):
-        raise MalformedTransferParams(
-            "kv_transfer_params['remote_block_ids']: expected one list of block ids "
-            f"(one KV cache group), found {len(groups)} entries")
-    ids = groups[0]
-    for i, b in enumerate(ids):
-        if isinstance(b, bool) or not isinstance(b, int):
-            raise MalformedTransferParams(
-                f"kv_transfer_params['remote_block_ids'][0][{i}]: expected int, found {type(b).__name__}")
-        if not 0 <= b < max_block_id:
-            raise MalformedTransferParams(
-                f"kv_transfer_params['remote_block_ids'][0][{i}]: expected 0..{max_block_id - 1}, found {b}")
-    if len(set(ids)) != len(ids):
-        raise MalformedTransferParams("kv_transfer_params['remote_block_ids']: duplicate block ids")
-    if not ids:
-        raise MalformedTransferParams("kv_transfer_params['remote_block_ids']: empty")
+    block_ids = _block_ids(_get(params, "remote_block_ids", list), max_block_id)
     delay = params.get(DEBUG_DELAY_KEY, 0.0)
     if isinstance(delay, bool) or not isinstance(delay, int | float) or not 0 <= delay <= 600:
         raise MalformedTransferParams(f"kv_transfer_params[{DEBUG_DELAY_KEY!r}]: expected 0..600, found {delay!r}")
@@ -117,8 +102,36 @@ def parse_remote_prefill(params: Any, max_block_id: int = 1 << 31) -> RemotePref
     if not isinstance(token, str) or len(token) > 128:
         raise MalformedTransferParams("kv_transfer_params['release_token']: expected a string "
                                       f"of at most 128 characters, found {type(token).__name__}")
-    return RemotePrefill(engine, rid, host, port, tp, tuple(ids), num_tokens, float(lease),
+    return RemotePrefill(engine, rid, host, port, tp, block_ids, num_tokens, float(lease),
                          float(delay), token)
+
+
+def _block_ids(groups: list, max_block_id: int) -> tuple[tuple[int, ...], ...]:
+    """``remote_block_ids``: one list per KV cache group (NixlConnector's shape)."""
+    field = "kv_transfer_params['remote_block_ids']"
+    if not 1 <= len(groups) <= MAX_GROUPS:
+        raise MalformedTransferParams(f"{field}: expected 1..{MAX_GROUPS} lists (one per KV "
+                                      f"cache group), found {len(groups)}")
+    out = []
+    seen: set[int] = set()  # one block pool: a block belongs to one group
+    for g, ids in enumerate(groups):
+        if not isinstance(ids, list):
+            raise MalformedTransferParams(f"{field}[{g}]: expected a list of block ids, found "
+                                          f"{type(ids).__name__}")
+        for i, b in enumerate(ids):
+            if isinstance(b, bool) or not isinstance(b, int):
+                raise MalformedTransferParams(
+                    f"{field}[{g}][{i}]: expected int, found {type(b).__name__}")
+            if not 0 <= b < max_block_id:
+                raise MalformedTransferParams(
+                    f"{field}[{g}][{i}]: expected 0..{max_block_id - 1}, found {b}")
+            if b in seen:
+                raise MalformedTransferParams(f"{field}[{g}][{i}]: duplicate block id {b}")
+            seen.add(b)
+        out.append(tuple(ids))
+    if not seen:
+        raise MalformedTransferParams(f"{field}: empty")
+    return tuple(out)
 
 
 def parse_identity(params: Any) -> tuple[str, str, str, int, str] | None:

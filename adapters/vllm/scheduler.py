@@ -3,15 +3,22 @@
 It decides nothing about leases, heartbeats or releases (the worker's fold
 does); it answers vLLM's questions from the request's own state:
 
-* D, ``get_num_new_matched_tokens``: a remote-prefill request loads its whole
+* D, ``get_num_new_matched_tokens``: a remote-prefill request loads its
   prompt asynchronously (malformed params too: the worker then fails it
-  through ``failed_recving``, so that request errors and the engine goes on).
+  through ``failed_recving``, so that request errors and the engine goes on),
+  all of it, or all but the last token for a model with sliding-window or
+  state groups (`core.planning.prefill_backoff`: D computes that token).
+* P, ``on_new_request``: for such a model, a prefill for a remote decode
+  leaves the prompt's last token out (``prefill_backoff``), so what P keeps
+  of each group is what D needs to compute that token.
 * D, ``request_finished``: if reads were handed to the worker and have not
   reported ``finished_recving``, vLLM must keep the destination blocks
   (``delay_free``) until they drain; the worker is told of the cancel.
-* P, ``request_finished``: a completed prefill is exported (blocks held,
-  ``delay_free``) and its ``kv_transfer_params`` returned for the router; a
-  prefill that ended otherwise is reported as aborted.
+* P, ``request_finished``: a completed prefill is exported (blocks of every
+  group held, ``delay_free``) and its ``kv_transfer_params`` returned for
+  the router, with each group's block ids clipped to what D reads
+  (`core.planning.export_ids`); a prefill that ended otherwise is reported
+  as aborted.
 
 Every hook that takes a request is `contained`: whatever a request carries,
 an exception fails that request (the worker is told with a ``Failure``) and
@@ -37,6 +44,8 @@ from kvhandoff.adapters.vllm.params import (
     parse_identity,
     parse_remote_prefill,
 )
+from kvhandoff.core.groups import CacheLayout
+from kvhandoff.core.planning import export_ids, prefill_backoff
 
 log = structlog.get_logger(__name__)
 
@@ -110,10 +119,11 @@ def _free_unless_read(self: HandoffScheduler, request: Any, reason: str,
 
 
 class HandoffScheduler:
-    def __init__(self, cfg: HandoffConfig, engine_id: str, producer: bool, block_size: int,
+    def __init__(self, cfg: HandoffConfig, engine_id: str, producer: bool, layout: CacheLayout,
                  tp_size: int) -> None:
         self.cfg, self.engine_id, self.producer = cfg, engine_id, producer
-        self.block_size, self.tp_size = block_size, tp_size
+        self.layout, self.tp_size = layout, tp_size
+        self.backoff = prefill_backoff(layout)
         self._plan = StepPlan()
         self._p: dict[str, bool] = {}  # P: request id -> prefill started
         self._d: dict[str, _Track] = {}  # D: request id -> track
@@ -127,6 +137,7 @@ class HandoffScheduler:
         if self.producer:
             if _is_remote_decode(params):
                 self._p[rid] = False
+                self._truncate_for_prefill(request)
             return
         if params is None or not (_is_remote_prefill(params) or not isinstance(params, dict)):
             return
@@ -148,12 +159,30 @@ class HandoffScheduler:
         self._plan.admits.append(Admit(rid, wire, error, len(request.prompt_token_ids or ()), ident,
                                        cleanup))
 
+    def _truncate_for_prefill(self, request: Any) -> None:
+        """P: leave the prompt's last ``backoff`` tokens to D (once, even if rescheduled)."""
+        n = self.backoff
+        params = request.kv_transfer_params
+        if not n or params.get("_kvhandoff_truncated") or request.num_prompt_tokens <= n:
+            return
+        if request.prompt_token_ids is None:
+            return  # prompt embeddings: not truncated, D recomputes nothing less
+        del request.prompt_token_ids[-n:]
+        del request._all_token_ids[-n:]
+        request.num_prompt_tokens -= n
+        request.max_tokens = 1
+        params["_kvhandoff_truncated"] = True
+
+    def tokens_to_load(self, num_prompt_tokens: int) -> int:
+        """D: how many prompt tokens come from P (the rest D computes)."""
+        return num_prompt_tokens - self.backoff if num_prompt_tokens > self.backoff else num_prompt_tokens
+
     @contained(_no_match)
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         track = self._d.get(request.request_id)
         if track is None or track.read_sent:
             return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        count = self.tokens_to_load(len(request.prompt_token_ids or ())) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     @contained(_fail_after_alloc)
@@ -170,15 +199,27 @@ class HandoffScheduler:
         track.read_sent = True
         track.awaiting = num_external_tokens > 0
         ids: list[list[int]] = []
-        skip = 0
         if track.awaiting:
-            # A local prefix-cache hit leaves its (hashed) blocks in place: only
-            # the blocks after it are read, into the blocks vLLM just allocated.
-            group = blocks.blocks[0]
-            skip = sum(1 for b in group if b.block_hash is not None and not b.is_null)
-            ids = [[b.block_id for b in group if b.block_hash is None and not b.is_null]]
+            ids = self._load_targets(blocks, self.tokens_to_load(len(request.prompt_token_ids)))
             timing.note(rid, "scheduled")
-        self._plan.reads.append(Read(rid, ids, track.awaiting, skip))
+        self._plan.reads.append(Read(rid, ids, track.awaiting))
+
+    def _load_targets(self, blocks: Any, num_tokens: int) -> list[list[int]]:
+        """D: per group, the blocks that will hold the loaded tokens, in position order.
+
+        A block group's list stops at the loaded tokens' last block (a block
+        allocated for a token D computes itself is not a target) and leaves
+        out the blocks of a local prefix-cache hit (hashed: D holds them
+        already); null blocks stay, as placeholders of the positions a
+        sliding window does not keep.  `plan_group_reads` aligns these with
+        P's lists at their ends.  A state group's list is its slots.
+        """
+        out = []
+        for g, group in zip(self.layout.groups, blocks.blocks, strict=True):
+            if not g.kind.reads_state:
+                group = group[:-(-num_tokens // g.block_size)]
+            out.append([b.block_id for b in group if b.block_hash is None or b.is_null])
+        return out
 
     def build_plan(self) -> StepPlan:
         plan, self._plan = self._plan, StepPlan()
@@ -202,19 +243,20 @@ class HandoffScheduler:
             started = self._p.pop(rid)
             done = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED,
                                       RequestStatus.FINISHED_STOPPED)
-            blocks = list(block_ids[0]) if block_ids else []
-            if done and blocks:
+            n = request.num_computed_tokens
+            blocks = export_ids(self.layout, block_ids, n) if done and block_ids else ()
+            if done and any(blocks):
                 # The release token makes the lease a capability: only an
                 # engine holding these params can extend or release it.
                 token = secrets.token_hex(16)
-                self._plan.exports.append(Export(rid, len(blocks), token))
+                self._plan.exports.append(Export(rid, sum(map(len, blocks)), token))
                 return True, {
                     "do_remote_prefill": True, "do_remote_decode": False, "protocol": PROTOCOL,
                     "remote_engine_id": self.engine_id, "remote_request_id": rid,
                     "remote_host": self.cfg.side_channel_host,
                     "remote_port": self.cfg.side_channel_port, "tp_size": self.tp_size,
-                    "pp_size": 1, "dcp_size": 1, "remote_block_ids": [blocks],
-                    "remote_num_tokens": request.num_computed_tokens, "lease_s": self.cfg.lease_s,
+                    "pp_size": 1, "dcp_size": 1, "remote_block_ids": [list(g) for g in blocks],
+                    "remote_num_tokens": n, "lease_s": self.cfg.lease_s,
                     "release_token": token,
                 }
             if started:

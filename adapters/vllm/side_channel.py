@@ -7,9 +7,10 @@ are a JSON header (orjson) and the raw NIXL metadata bytes: nothing on this
 wire is ever unpickled.
 
 A mismatch in anything that decides the byte layout of a block (model,
-dtype, block size, cache layout, KV heads, head size, layers, TP size, bytes
-per block, number of regions) is a `PeerIncompatible` naming the field and
-both values.
+dtype, block size, KV heads, head size, layers, TP size, and the cache
+groups: kinds, block sizes, windows, regions and their bytes per block,
+`core.groups.CacheLayout.check_matches`) is a `PeerIncompatible` naming the
+field (and the group) and both values.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ import orjson
 import structlog
 
 from kvhandoff.core.errors import GeometryMismatch
+from kvhandoff.core.groups import CacheLayout, GroupMismatch, MalformedGroups
 
 log = structlog.get_logger(__name__)
 
 WIRE = "kvhandoff-side/1"
-COMPAT_FIELDS = ("model", "dtype", "cache_dtype", "block_size", "layout", "num_kv_heads",
-                 "head_size", "num_layers", "tp_size", "block_bytes", "num_regions")
+COMPAT_FIELDS = ("model", "dtype", "cache_dtype", "block_size", "num_kv_heads", "head_size",
+                 "num_layers", "tp_size")
 
 
 class PeerIncompatible(GeometryMismatch):
@@ -43,6 +45,15 @@ def check_compatible(local: dict[str, Any], remote: dict[str, Any], peer: str) -
         if local.get(name) != remote.get(name):
             raise PeerIncompatible(f"peer {peer}: {name}", expected=local.get(name),
                                    found=remote.get(name))
+    try:
+        theirs = CacheLayout.from_wire(remote.get("cache_layout"))
+        CacheLayout.from_wire(local.get("cache_layout")).check_matches(theirs)
+    except GroupMismatch as exc:
+        raise PeerIncompatible(f"peer {peer}: {exc.what}", expected=exc.expected,
+                               found=exc.found) from None
+    except MalformedGroups as exc:
+        raise PeerIncompatible(f"peer {peer}: {exc}", expected="a cache layout",
+                               found=remote.get("cache_layout")) from None
 
 
 def _hello(engine_id: str, rank: int, compat: dict[str, Any], **extra: Any) -> bytes:

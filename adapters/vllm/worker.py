@@ -67,7 +67,10 @@ from kvhandoff.core.lifecycle import (
     prune_terminal,
 )
 from kvhandoff.core.log import LogWriter
-from kvhandoff.transports.base import KVRegion
+from kvhandoff.core.groups import CacheLayout
+from kvhandoff.core.planning import prefill_backoff
+from kvhandoff.transports.base import RegionMismatch
+from kvhandoff.transports.caches import kv_regions
 
 log = structlog.get_logger(__name__)
 
@@ -107,7 +110,8 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self.trusted = TrustedProducers(cfg.trusted_producers)
         self.transport: Any = None
         self.num_blocks = 0
-        self.block_bytes_total = 0
+        self.layout: CacheLayout | None = None
+        self.backoff = 0  # prompt tokens D computes itself (core.planning.prefill_backoff)
         self.stats = kstats.empty()
         self.total = kstats.empty()
         # P
@@ -207,41 +211,29 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
 
     # ---- registration ------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        names = sorted(kv_caches, key=_natural_key)
-        regions: list[KVRegion] = []
-        seen: set[int] = set()
-        for name in names:
-            t = kv_caches[name]
-            if t.data_ptr() in seen:
-                continue  # a layer sharing another layer's cache: register once
-            seen.add(t.data_ptr())
-            if t.device.type != "cpu":
-                kind = "VRAM"
-            else:
-                kind = "DRAM"
-            block_bytes = t.stride(0) * t.element_size()
-            if not t.is_contiguous() or block_bytes * t.shape[0] != t.numel() * t.element_size():
-                raise UnsupportedTopology(
-                    f"KV cache of {name} is not block-major contiguous (shape {tuple(t.shape)}, "
-                    f"strides {t.stride()}); kvhandoff needs blocks as the outermost dimension")
-            regions.append(KVRegion(name, t, int(t.shape[0]), block_bytes, kind=kind,
-                                    device=max(t.get_device(), 0) if kind == "VRAM" else 0))
-        if not regions:
-            raise UnsupportedTopology("no KV cache tensors to register")
-        if len({r.num_blocks for r in regions}) != 1 or len({r.block_bytes for r in regions}) != 1:
-            raise UnsupportedTopology("KV cache layers differ in block count or block size")
-        self.num_blocks = regions[0].num_blocks
-        self.block_bytes_total = sum(r.block_bytes for r in regions)
-        self.compat.update(block_bytes=regions[0].block_bytes, num_regions=len(regions),
-                           num_blocks=self.num_blocks,
-                           layout=f"block-major{tuple(regions[0].buffer.shape[1:])}",
-                           cache_dtype=str(regions[0].buffer.dtype))
+    def register_kv_caches(self, kv_caches: dict[str, Any], layout: CacheLayout) -> None:
+        """Register the caches ``layout`` describes: each physical range once.
+
+        ``kv_caches`` is what vLLM hands the connector (layer name -> a view of
+        the one backing allocation); ``layout`` is that allocation's groups and
+        regions (`adapters.vllm.layout.cache_layout`).  Groups that vLLM lays
+        over the same bytes share regions, so they are registered once.  The
+        layout goes into the handshake, where D checks P's group by group.
+        """
+        try:
+            regions = kv_regions(kv_caches, layout)
+        except RegionMismatch as exc:
+            raise UnsupportedTopology(f"KV caches do not match their layout: {exc}") from None
+        self.layout, self.backoff = layout, prefill_backoff(layout)
+        self.num_blocks = layout.groups[0].num_blocks
+        first = kv_caches[layout.groups[0].layers[0]]
+        self.compat.update(num_blocks=self.num_blocks, cache_dtype=str(first.dtype),
+                           cache_layout=layout.to_wire())
         agent = f"{self.engine_id}-{self.side.value}{self.rank}-{uuid.uuid4().hex[:8]}"
         self.transport = make_transport(agent)
         self.transport.register(regions)
         log.info("vllm.worker.registered", regions=len(regions), num_blocks=self.num_blocks,
-                 block_bytes=regions[0].block_bytes, agent=agent)
+                 groups=[g.kind.value for g in layout.groups], agent=agent)
         if self.side is Side.P:
             self._server = SideChannelServer(
                 self.cfg.side_channel_host, self.cfg.side_channel_port + self.rank,
