@@ -35,12 +35,18 @@ from typing import Any
 
 from kvhandoff.adapters.vllm.cluster import EngineHandle, PDConfig, PDPair
 from kvhandoff.adapters.vllm.demo import prompts_for
-from kvhandoff.adapters.vllm.tiny_model import write_tiny_llama
+from kvhandoff.adapters.vllm.tiny_model import TINY_MODEL_KINDS, write_tiny_model
+
+MODELS = {"llama": "tiny seeded Llama (2 layers, 2 KV heads, head 64, fp32)",
+          "gemma3": "tiny seeded Gemma-3 (4 layers: sliding window 64 / full attention, fp32)",
+          "mamba2": "tiny seeded Mamba2 (2 layers, state 16, fp32)"}
 
 CONNECTORS = ("kvhandoff", "nixl")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=TINY_MODEL_KINDS, default="llama",
+                   help="the tiny model both pairs serve (default llama)")
     p.add_argument("--requests", type=int, default=16, help="requests per connector (default 16)")
     p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length (default 512)")
     p.add_argument("--output-tokens", type=int, default=16, help="tokens decoded on D (default 16)")
@@ -68,6 +74,11 @@ def _one(pair: PDPair, rid: str, prompt: list[int], out_tokens: int) -> dict[str
     return pair.d.wait_done([rid])[rid]
 
 
+def _per_read_request(d_stats: dict[str, Any]) -> int | None:
+    n = d_stats.get("releases_sent", 0) - d_stats.get("notify_only_releases", 0)
+    return round(d_stats.get("bytes_read", 0) / n) if n > 0 else None
+
+
 def _idle_cpu(handles: list[EngineHandle], seconds: float) -> dict[str, float]:
     start = {h.name: h.cpu_seconds() for h in handles}
     t0 = time.monotonic()
@@ -90,7 +101,7 @@ def _logs_to_stderr() -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     _logs_to_stderr()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvhandoff-bench-vllm-"))
-    model = write_tiny_llama(workdir / "model")
+    model = write_tiny_model(args.model, workdir / f"model-{args.model}")
     load_before = os.getloadavg()
     # No prefix cache: every request moves its whole prompt, for both connectors.
     pairs = {c: PDPair(PDConfig(model_dir=str(model), connector=c, workdir=str(workdir / c), tag=c,
@@ -156,7 +167,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "settings": {"requests": args.requests, "prompt_tokens": args.prompt_tokens,
                      "output_tokens": args.output_tokens, "warmup": args.warmup,
-                     "model": "tiny seeded Llama (2 layers, 2 KV heads, head 64, fp32)",
+                     "model": MODELS[args.model],
                      "VLLM_CPU_OMP_THREADS_BIND": "0"},
         "engine_start_s": round(start_s, 1),
         "isolated": not args.co_located,
@@ -167,5 +178,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ratio_transfer": ratio("transfer_ms_median"),
         "kvhandoff_read_ms_median": d_stats.get("read_ms_median"),
         "kvhandoff_read_GBps_median": d_stats.get("read_GBps_median"),
+        # per request that read (every request but notify-only releases), warm-up included
+        "kvhandoff_bytes_read_per_request": _per_read_request(d_stats),
         "workdir": str(workdir),
     }

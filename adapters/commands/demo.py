@@ -14,8 +14,11 @@ from typing import Any
 
 import orjson
 
+from kvhandoff.adapters.vllm.tiny_model import TINY_MODEL_KINDS
+
 DESCRIPTION = (
-    "Write a tiny seeded Llama, start a prefill and a decode vLLM engine with "
+    "Write a tiny seeded model (--model: a Llama, a Gemma-3 with sliding-window and full "
+    "attention groups, or a Mamba2 with a state group), start a prefill and a decode vLLM engine with "
     "KVHandoffConnector over NIXL host memory, send a batch P -> D (some cancelled "
     "mid-read, one with malformed transfer parameters), check the tokens against a "
     "single-engine reference, replay both event logs with the invariant check. "
@@ -24,6 +27,9 @@ DESCRIPTION = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--model", choices=TINY_MODEL_KINDS, default="llama",
+                   help="the tiny model: llama (one KV cache group, default), gemma3 (sliding "
+                        "window + full attention), mamba2 (Mamba state)")
     p.add_argument("--requests", type=int, default=12, help="requests in the batch (default 12)")
     p.add_argument("--cancel", type=int, default=3,
                    help="requests cancelled by the client mid-read (default 3)")
@@ -43,7 +49,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _print_human(s: dict[str, Any], console: Any) -> None:
     ok = "[green]yes[/]" if s["tokens_match"] else "[red]NO[/]"
-    console.print(f"\n[bold]kvhandoff demo[/] — P → D over NIXL host memory, "
+    console.print(f"\n[bold]kvhandoff demo[/] — tiny {s['model']}, P → D over NIXL host memory, "
                   f"vLLM engines with KVHandoffConnector (engines up in {s['engine_start_s']}s)")
     console.print(f"  requests {s['requests']}: completed {s['completed']}, "
                   f"cancelled mid-read {s['cancelled']}, rejected (malformed params) {s['rejected']}")
@@ -78,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     _logs_to_stderr()
 
     console = Console(stderr=bool(args.json))
-    opts = DemoOptions(requests=args.requests, cancel=args.cancel,
+    opts = DemoOptions(model=args.model, requests=args.requests, cancel=args.cancel,
                        output_tokens=args.output_tokens, lease_s=args.lease, seed=args.seed,
                        workdir=args.workdir)
     with console.status("starting…") as status:

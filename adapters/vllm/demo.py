@@ -1,6 +1,8 @@
 """`kvhandoff demo`: a real P → D hand-off inside two vLLM engines on this machine.
 
-Writes the tiny seeded model, starts a prefill (P) and a decode (D) engine
+Writes a tiny seeded model (a Llama, or with ``model`` a Gemma-3 whose
+sliding-window and full-attention layers are two KV cache groups, or a
+Mamba2 whose state is one), starts a prefill (P) and a decode (D) engine
 with `KVHandoffConnector` over NIXL host memory, and sends a batch through
 P → D the way a disaggregating router does.  Some requests are cancelled by
 the client while their READs are in flight (their reads are slowed on
@@ -23,11 +25,12 @@ from typing import Any
 
 from kvhandoff.adapters.vllm.cluster import PDConfig, PDPair
 from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY
-from kvhandoff.adapters.vllm.tiny_model import write_tiny_llama
+from kvhandoff.adapters.vllm.tiny_model import write_tiny_model
 
 
 @dataclass(slots=True)
 class DemoOptions:
+    model: str = "llama"  # adapters.vllm.tiny_model.TINY_MODEL_KINDS
     requests: int = 12
     cancel: int = 3
     prompt_tokens: tuple[int, int] = (200, 420)
@@ -92,7 +95,7 @@ def run_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
     """Run the demo; ``progress(stage, detail)`` is told what is happening."""
     say = progress or (lambda stage, detail="": None)
     workdir = Path(opts.workdir or tempfile.mkdtemp(prefix="kvhandoff-demo-"))
-    model = write_tiny_llama(workdir / "model")
+    model = write_tiny_model(opts.model, workdir / f"model-{opts.model}")
     say("model", str(model))
     cfg = PDConfig(
         model_dir=str(model), connector="kvhandoff", workdir=str(workdir),
@@ -151,6 +154,7 @@ def run_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
     mismatched = [r for r in completed if done[r]["token_ids"] != ref[f"ref-{r}"]["token_ids"]]
     distinct_outputs = len({tuple(done[r]["token_ids"]) for r in completed})
     return {
+        "model": opts.model,
         "requests": n,
         "completed": len(completed),
         "tokens_match": bool(completed) and not mismatched,
