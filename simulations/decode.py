@@ -56,8 +56,13 @@ from kvhandoff.core.lifecycle import (
     read_verdict_of,
 )
 from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Release, decode, encode
-from kvhandoff.core.planning import GroupRead, blocks_needed, coalesce, plan_group_reads, \
-    validate_block_ids
+from kvhandoff.core.planning import (
+    GroupRead,
+    blocks_needed,
+    coalesce,
+    plan_group_reads,
+    validate_block_ids,
+)
 from kvhandoff.core.policy import heartbeat_due
 from kvhandoff.core.replay import ProofLedger
 from kvhandoff.simulations import kv

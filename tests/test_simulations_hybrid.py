@@ -236,7 +236,7 @@ def test_p_exports_only_the_windows_blocks_of_the_sliding_group():
     world.run()
     layout = world.p.layout
     longer = 0
-    for rid, params in world.params.items():
+    for params in world.params.values():
         n = params.num_tokens
         lists = params.block_ids
         assert [len(x) for x in lists] == [blocks_needed(g, n) for g in layout.groups]
