@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvhandoff.core.groups import CacheKind
 from kvhandoff.transports.sim import LinkModel, NotifFaults, ReadFaults
 
 POLICIES = ("kvhandoff", "vllm-0.32")
@@ -30,6 +31,26 @@ class CancelPlan:
     delay_s: tuple[float, float] = (0.0, 0.1)
 
 
+@dataclass(frozen=True, slots=True)
+class SimGroup:
+    """One cache group of a hybrid model (`core.groups.CacheGroup`), as a run draws it.
+
+    Every group is overlaid on the same regions and draws its block ids from
+    the engine's one block pool, as vLLM's hybrid allocator does; what a
+    request of ``n`` tokens holds and reads of it is `core.planning`'s
+    business (`blocks_needed`).  ``read_faults`` replaces the run's READ
+    faults for this group's splits (a slow state group); ``held_by_d`` is
+    the share of requests whose blocks of this group D holds already, so the
+    group needs no read (no split for it).
+    """
+
+    kind: CacheKind
+    block_size: int = 16  # tokens per block
+    window: int = 0  # tokens (SLIDING_WINDOW only)
+    read_faults: ReadFaults | None = None
+    held_by_d: float = 0.0
+
+
 @dataclass(slots=True)
 class RunConfig:
     scenario: str
@@ -46,6 +67,11 @@ class RunConfig:
     d_blocks: int = 96
     block_bytes: int = 64  # a multiple of 8: blocks hold 64-bit KV tokens
     regions: int = 2  # K and V of one layer group
+    # Cache groups of a hybrid model; empty: one KV group of ``blocks_per_request``
+    # blocks (every scenario before hybrid models, and still the default).  With
+    # groups a request is ``tokens_per_request`` tokens and one READ per (rank, group).
+    groups: tuple[SimGroup, ...] = ()
+    tokens_per_request: tuple[int, int] = (1, 128)
 
     # lifecycle timing
     lease_s: float = 30.0
@@ -84,6 +110,10 @@ class RunConfig:
     exceeds_lease: bool = False  # faults longer than the lease: freed_under_read may be > 0
 
     @property
+    def hybrid(self) -> bool:
+        return bool(self.groups)
+
+    @property
     def decode_tp(self) -> int:
         return self.d_tp or self.tp
 
@@ -101,6 +131,14 @@ class RunConfig:
             raise ValueError(f"d_tp {self.d_tp}: expected a multiple of tp {self.tp}, at most 4")
         if self.block_bytes % 8:
             raise ValueError(f"block_bytes {self.block_bytes}: expected a multiple of 8")
+        if self.groups:
+            if self.invalid_geometry:
+                raise ValueError("invalid_geometry corrupts one flat block list: not with groups")
+            if self.tokens_per_request[0] < 1:
+                raise ValueError(f"tokens_per_request {self.tokens_per_request}: expected >= 1")
+            for g in self.groups:
+                if (g.kind is CacheKind.SLIDING_WINDOW) != (g.window > 0):
+                    raise ValueError(f"group {g}: a window exactly for sliding_window")
         for phase in self.cancel.phases:
             if phase not in PHASES:
                 raise ValueError(f"cancel phase {phase!r}: expected one of {PHASES}")

@@ -1,7 +1,11 @@
 """The decode engine (D) model: admit, validate, read, heartbeat, verify, release.
 
 D has ``tp`` worker ranks; rank r READs rank r of P (rank-local reads), so a
-request is ``tp`` READ splits.  The scheduler keeps one `Ledger` stream for
+request is ``tp`` READ splits.  A hybrid model's request (``RunConfig.groups``)
+is one split per (rank, cache group) that needs a read: `plan_group_reads`
+decides which groups read what (every block of full attention, the window's
+blocks of a sliding window, the state slot), and a request where no group
+needs a read is a notify-only release.  The scheduler keeps one `Ledger` stream for
 the whole request; the workers post the READs and poll their completions.
 Every decision comes from the core: what to heartbeat (`heartbeat_due`),
 whether drained reads may be passed on (`read_verdict_of`), what the
@@ -52,7 +56,13 @@ from kvhandoff.core.lifecycle import (
     read_verdict_of,
 )
 from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Release, decode, encode
-from kvhandoff.core.planning import coalesce, validate_block_ids
+from kvhandoff.core.planning import (
+    GroupRead,
+    blocks_needed,
+    coalesce,
+    plan_group_reads,
+    validate_block_ids,
+)
 from kvhandoff.core.policy import heartbeat_due
 from kvhandoff.core.replay import ProofLedger
 from kvhandoff.simulations import kv
@@ -60,7 +70,7 @@ from kvhandoff.simulations.config import RunConfig
 from kvhandoff.simulations.loop import EngineLoop
 from kvhandoff.simulations.policies import DecodePolicy
 from kvhandoff.simulations.prefill import SimRequest, TransferParams
-from kvhandoff.transports.base import ReadRequest, TransportError
+from kvhandoff.transports.base import ReadRequest, TransportError, group_splits
 from kvhandoff.transports.sim import SimBlockPool, SimNetwork
 
 
@@ -75,6 +85,12 @@ class Import:
     drained_at: float | None = None
     asked_at: float = -1.0
     splits_failed: list[int] = field(default_factory=list)
+    split_dranks: list[int] = field(default_factory=list)  # per split: the D rank posting it
+    # Hybrid runs: P's ids per group, D's pages per group, and each split's planned read.
+    remote_lists: list[list[int]] = field(default_factory=list)
+    group_pages: list[int] = field(default_factory=list)
+    reads: list[tuple[int, GroupRead]] = field(default_factory=list)  # (D rank, read)
+    rank_open: dict[int, int] = field(default_factory=dict)  # D rank -> READs in flight
 
 
 def _stale(rec: ConsumerRecord, before: float) -> bool:
@@ -100,11 +116,20 @@ class DecodeEngine:
         self.rows = [[layer * k + d % k for layer in range(cfg.regions)]
                      for d in range(cfg.decode_tp)]
         self.words: list[np.ndarray] = []  # per rank: (regions, blocks, words) of its memory
+        # Hybrid models: per D rank, its layout and its view of P's (P's pool size;
+        # the region pairs a read posts are the local group's, as P names them too).
+        self.layouts: list | None = [] if cfg.hybrid else None
+        self.remote_layouts: list = []
         for d, agent in enumerate(self.agents):
             names = kv.region_names(cfg.regions, [d % k], k)
             regions, words = kv.rank_memory(names, cfg.d_blocks, cfg.block_bytes)
             agent.register(regions)
             self.words.append(words)
+            if self.layouts is not None:
+                self.layouts.append(kv.cache_layout(cfg.groups, names, cfg.d_blocks,
+                                                    cfg.block_bytes))
+                self.remote_layouts.append(kv.cache_layout(cfg.groups, names, p_num_blocks,
+                                                           cfg.block_bytes))
         self.state = LifecycleState()  # keeps FREED / DONE records: runs are short
         self.stream = Stream(name, Side.D, 0)
         self.ledger = Ledger(self.stream, self.state, sink)
@@ -153,6 +178,8 @@ class DecodeEngine:
                 else:
                     record(SplitFailed, rid, now, split=split, reason=c.reason)
                     self.reading[rid].splits_failed.append(split)
+                if self.layouts is not None:
+                    self._group_read_landed(rid, rank)
         lost = ({p for agent in self.agents for p in agent.lost_peers()}
                 if self.net.has_dead else ())
         for req in self.cancels:
@@ -224,6 +251,9 @@ class DecodeEngine:
             return
         self.on_phase(req, "admitted")
         self.urgent[rid] = None
+        if self.layouts is not None:
+            self._admit_groups(req, params, now)
+            return
         try:
             ids = validate_block_ids(params.block_ids, self.p_num_blocks, "remote_block_ids")
             if len(ids) != params.num_blocks:
@@ -242,14 +272,96 @@ class DecodeEngine:
             return
         self.waiting[rid] = Import(req, params, ids)
 
+    def _admit_groups(self, req: SimRequest, params: TransferParams, now: float) -> None:
+        """Admission of a hybrid request: what each group reads, or a notify-only release."""
+        rid = params.request_id
+        try:
+            pages = self._check_groups(req, params)
+        except GeometryMismatch as e:
+            self.ledger.record(Rejected, rid, now, reason=str(e))
+            self._finish_without_reads(req, rid, "rejected", now)
+            return
+        self.ledger.record(Validated, rid, now)
+        if not any(pages):  # D holds every group already: nothing to read
+            self._finish_without_reads(req, rid, "served", now)
+            return
+        self.waiting[rid] = Import(req, params, remote_lists=[list(x) for x in params.block_ids],
+                                   group_pages=pages)
+
+    def _check_groups(self, req: SimRequest, params: TransferParams) -> list[int]:
+        """D's pages per group (none for a group it holds); the request's ids checked by a
+        dry run of the plan (`GroupMismatch`, a `GeometryMismatch`, names the group)."""
+        cfg, local = self.cfg, self.layouts[0]
+        lists = params.block_ids
+        if not isinstance(lists, list) or len(lists) != len(local.groups):
+            raise GeometryMismatch("remote block id lists", len(local.groups),
+                                   len(lists) if isinstance(lists, list) else lists)
+        if params.remote_ranks != tuple(range(cfg.tp)):
+            raise GeometryMismatch("remote TP ranks", tuple(range(cfg.tp)), params.remote_ranks)
+        if sum(len(x) for x in lists) != params.num_blocks:
+            raise GeometryMismatch("number of remote blocks", params.num_blocks,
+                                   sum(len(x) for x in lists))
+        pages = [0 if g.index in req.held_groups else blocks_needed(g, params.num_tokens)
+                 for g in local.groups]
+        if sum(pages) > self.pool.num_blocks:  # it would wait for pages forever
+            raise GeometryMismatch("pages needed", f"<= {self.pool.num_blocks}", sum(pages))
+        plan_group_reads(self.remote_layouts[0], local, lists, _split(range(sum(pages)), pages),
+                         params.num_tokens)
+        return pages
+
+    def _post_group_reads(self, rid: str, imp: Import, local: list[int], now: float) -> None:
+        """One READ per (D rank, group that needs a read), as `plan_group_reads` plans it."""
+        cfg, k = self.cfg, self.k
+        lists = _split(local, imp.group_pages)
+        for d in range(len(self.agents)):
+            plan = plan_group_reads(self.remote_layouts[d], self.layouts[d], imp.remote_lists,
+                                    lists, imp.params.num_tokens, rank=d // k)
+            imp.reads.extend((d, read) for read in plan.reads)
+        self.ledger.record(ReadsPosted, rid, now,
+                           split_ranks=tuple(read.rank for _, read in imp.reads),
+                           split_groups=tuple(read.group for _, read in imp.reads))
+        self.reading[rid] = imp
+        default = self.net.read_faults
+        for split, (d, read) in enumerate(imp.reads):
+            imp.split_dranks.append(d)
+            # A group's READs may be slower than others' (a state group's): the
+            # fabric draws each READ's faults when it is posted.
+            self.net.read_faults = cfg.groups[read.group].read_faults or default
+            try:
+                handle = self.agents[d].post_split_read(self.peers[d], group_splits([read]))
+            except TransportError as e:
+                self.ledger.record(SplitFailed, rid, now, split=split, reason=f"post: {e}")
+                imp.splits_failed.append(split)
+            else:
+                self.handles[(d, handle)] = (rid, split)
+                imp.rank_open[d] = imp.rank_open.get(d, 0) + 1
+            finally:
+                self.net.read_faults = default
+
+    def _group_read_landed(self, rid: str, d: int) -> None:
+        """vLLM 0.32 reads every group of a rank in one transfer, whose notification (the
+        rank's release) follows its last descriptor: the model, one READ per group, sends
+        it when the rank's last group READ landed, unless one of them failed."""
+        imp = self.reading[rid]
+        imp.rank_open[d] -= 1
+        if imp.rank_open[d] or not self.policy.release_with_reads:
+            return
+        if all(imp.split_dranks[s] != d for s in imp.splits_failed):
+            self._release(rid, (d,))
+
     def _post_reads(self, now: float) -> None:
         posted = []
         for rid, imp in self.waiting.items():
-            local = self.pool.allocate(len(imp.remote_ids))
+            local = self.pool.allocate(sum(imp.group_pages) if imp.group_pages
+                                       else len(imp.remote_ids))
             if local is None:
                 break  # pages free up as other imports drain
             imp.local_ids = local
             posted.append(rid)
+            if imp.group_pages:
+                self._post_group_reads(rid, imp, local, now)
+                self.on_phase(imp.req, "reads_posted")
+                continue
             # Split d is D rank d's READ, from P rank d // k.
             self.ledger.record(ReadsPosted, rid, now,
                                split_ranks=tuple(d // self.k for d in range(len(self.agents))))
@@ -257,6 +369,7 @@ class DecodeEngine:
             read = ReadRequest(runs=coalesce(imp.remote_ids, local))
             params_token = imp.params.token
             carry = self.policy.release_with_reads
+            imp.split_dranks = list(range(len(self.agents)))
             for rank, agent in enumerate(self.agents):
                 # kvhandoff releases after finished_recving; vLLM's READ carries it.
                 release = encode(Release(rid, self.name, rank, params_token)) if carry else None
@@ -312,7 +425,7 @@ class DecodeEngine:
         if not self.policy.release_with_reads:
             self._release(rid, range(len(self.agents)))  # every read drained: P may free
         else:  # vLLM: the READs carried it, but failed splits never delivered theirs
-            self._release(rid, imp.splits_failed)
+            self._release(rid, list(dict.fromkeys(imp.split_dranks[s] for s in imp.splits_failed)))
         if received:
             serve = not rec.cancelled
         else:
@@ -332,6 +445,12 @@ class DecodeEngine:
     def _bytes_match(self, imp: Import) -> bool:
         serial = imp.req.serial
         k = self.k
+        if imp.reads:  # hybrid: each group's blocks from the positions that group holds
+            n = imp.params.num_tokens
+            return all(kv.matches(self.words[d], read.local_ids, serial, d // k,
+                                  None if k == 1 else self.rows[d], read.group,
+                                  kv.group_positions(self.layouts[d].groups[read.group], n).start)
+                       for d, read in imp.reads)
         return all(kv.matches(words, imp.local_ids, serial, d // k,
                               None if k == 1 else self.rows[d])
                    for d, words in enumerate(self.words))
@@ -382,3 +501,12 @@ class DecodeEngine:
     def unfinished(self) -> list[str]:
         return [f"{self.stream}:{rid}" for rid, rec in self.state.stream(self.stream).requests.items()
                 if rec.state is not DState.DONE]
+
+
+def _split(ids, sizes: list[int]) -> list[list[int]]:
+    """``ids`` cut into consecutive lists of ``sizes`` (a request's pages, one list per group)."""
+    out, at = [], 0
+    for n in sizes:
+        out.append(list(ids[at:at + n]))
+        at += n
+    return out

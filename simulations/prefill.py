@@ -54,6 +54,8 @@ class SimRequest:
     outcome: str = ""  # served, failed, rejected, cancelled, orphaned
     cancelled: bool = False
     cancel_phase: str = ""  # the phase after which this client cancels ("" never)
+    num_tokens: int = 0  # hybrid runs: the prompt's tokens (num_blocks: every group's blocks)
+    held_groups: tuple[int, ...] = ()  # hybrid runs: groups whose blocks D holds already
 
 
 @dataclass(slots=True)
@@ -63,9 +65,10 @@ class TransferParams:
     request_id: str
     remote_engine: str
     remote_ranks: tuple[int, ...]
-    block_ids: list
+    block_ids: list  # hybrid runs: one list per cache group (vLLM's ``remote_block_ids``)
     num_blocks: int
     token: str = ""  # the release capability P minted for this request
+    num_tokens: int = 0  # hybrid runs: the tokens P computed, for D's planner
 
 
 class PrefillEngine:
@@ -87,6 +90,9 @@ class PrefillEngine:
             regions, words = kv.rank_memory(names, cfg.p_blocks, cfg.block_bytes)
             agent.register(regions)
             self.words.append(words)
+        # Hybrid models: every group overlaid on these regions, ids from the one pool.
+        self.layout = (kv.cache_layout(cfg.groups, names, cfg.p_blocks, cfg.block_bytes)
+                       if cfg.hybrid else None)
         # Terminal records are kept: P answers a late heartbeat for a request it
         # released with "released" (0), not "unknown" (< 0).
         self.state = LifecycleState()  # keeps FREED / DONE records: runs are short
@@ -156,13 +162,22 @@ class PrefillEngine:
             # (vLLM extends by 2/3 of the lease; the core extends by the exported
             # lease, so that model exports 2/3 of it: docs/simulation.md.)
             lease_s = cfg.lease_s * self.policy.lease_extension
+            per_group = self._group_lists(req, ids)
             for rank, ledger in enumerate(self.ledgers):
-                kv.write(self.words[rank], ids, req.serial, rank)
+                if per_group is None:
+                    kv.write(self.words[rank], ids, req.serial, rank)
+                else:
+                    for g, group_ids in zip(self.layout.groups, per_group, strict=True):
+                        first = kv.group_positions(g, req.num_tokens).start
+                        kv.write(self.words[rank], group_ids, req.serial, rank, g.index, first)
+                # One lease, one free for every group of the request (vLLM delays
+                # the free of all groups at once: docs/hybrid.md 1.5).
                 ledger.record(Exported, req.rid, now, lease_s=lease_s,
                               consumer_ranks=self.consumers[rank], num_blocks=len(ids),
                               token=token)
+            block_ids = list(ids) if per_group is None else [list(g) for g in per_group]
             self.on_exported(req, TransferParams(req.rid, self.name, tuple(range(cfg.tp)),
-                                                 list(ids), len(ids), token))
+                                                 block_ids, len(ids), token, req.num_tokens))
         self.prefilled.clear()
         freed = self._reap(now)
         while self.queue:
@@ -179,6 +194,20 @@ class PrefillEngine:
             self._arm_lease_timer()
         self._changed = False
         return bool(freed and self.queue)
+
+    def _group_lists(self, req: SimRequest, ids: list[int]) -> list[list[int]] | None:
+        """A hybrid request's block ids, one list per group: what P holds of each group,
+        clipped to what D will read (the window's blocks, the state slot), as NixlConnector
+        clips its exchanged lists (docs/hybrid.md 1.6); None for a one-group run."""
+        if self.layout is None:
+            return None
+        out, at = [], 0
+        for g in self.layout.groups:
+            n = len(kv.group_positions(g, req.num_tokens))
+            out.append(ids[at:at + n])
+            at += n
+        assert at == len(ids), f"{req.rid}: {len(ids)} blocks allocated, groups hold {at}"
+        return out
 
     def add_consumer(self, agent: str, engine: str, rank: int) -> None:
         """The handshake told us that transport peer ``agent`` is ``engine``'s rank ``rank``."""

@@ -10,6 +10,10 @@ cover (a partition longer than the lease, a request that reaches D after its
 lease ran out): there P may legitimately free blocks under a READ, and the
 only promise left is the one that matters, that D never serves those bytes.
 
+The ``hybrid_*`` scenarios run a hybrid model (docs/hybrid.md): every
+request is a full-attention group, a sliding-window group and a Mamba state
+group, one READ per (rank, group) that needs a read.
+
 docs/simulation.md describes each scenario; keep the two in step.
 """
 
@@ -18,7 +22,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from kvhandoff.simulations.config import CancelPlan, RunConfig
+from kvhandoff.core.groups import CacheKind
+from kvhandoff.simulations.config import CancelPlan, RunConfig, SimGroup
 from kvhandoff.transports.sim import NotifFaults, ReadFaults, sub_seed
 
 Builder = Callable[[RunConfig, random.Random], None]
@@ -290,3 +295,65 @@ def _swarm(cfg: RunConfig, rng: random.Random) -> None:
         cfg.impersonation = rng.uniform(0.0, 0.5)
     if maybe(0.2):  # D with more TP ranks than P
         cfg.tp, cfg.d_tp = rng.choice(((1, 2), (1, 4), (2, 4)))
+
+
+# --- hybrid models: several cache groups per request (docs/hybrid.md) -----------------
+
+FULL, SLIDING, STATE = 0, 1, 2  # the groups of `_hybrid`'s layout, in order
+
+
+def _hybrid(cfg: RunConfig, rng: random.Random, **per_group: dict) -> None:
+    """A Gemma-3 / Bamba-like layout: full attention, a sliding window, a Mamba state.
+
+    Prompts of 1–128 tokens in blocks of 16 (1–8 full-attention blocks); the
+    window (32–64 tokens) keeps the last 2–5 blocks; the state is one slot.
+    ``per_group`` maps ``full`` / ``sliding`` / ``state`` to `SimGroup` fields.
+    """
+    window = rng.choice((32, 48, 64))
+    groups = [SimGroup(CacheKind.FULL_ATTENTION, 16, **per_group.get("full", {})),
+              SimGroup(CacheKind.SLIDING_WINDOW, 16, window, **per_group.get("sliding", {})),
+              SimGroup(CacheKind.MAMBA_STATE, 16, **per_group.get("state", {}))]
+    cfg.groups = tuple(groups)
+    cfg.tokens_per_request = (1, 128)
+    # Up to 14 blocks a request over the groups: pools large enough that the
+    # long state READs do not queue every request behind them.
+    cfg.p_blocks = cfg.d_blocks = 256
+
+
+@scenario("hybrid_slow_state_group",
+          "a hybrid model whose state group's READ is much slower (0.2–2 leases) than its "
+          "KV groups' (milliseconds): P holds every group until the last split drained")
+def _hybrid_slow_state(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.read_faults = ReadFaults(slow=0.5, slow_s=(0.001, 0.05))
+    _hybrid(cfg, rng, state={"read_faults": ReadFaults(
+        slow=1.0, slow_s=(0.2 * cfg.lease_s, 2.0 * cfg.lease_s))})
+
+
+@scenario("hybrid_group_split_failure",
+          "a hybrid model where one group's split fails while the other groups' splits are "
+          "still in flight: the request fails, P frees once, after every split drained")
+def _hybrid_split_failure(cfg: RunConfig, rng: random.Random) -> None:
+    failing = rng.choice(("full", "sliding", "state"))
+    cfg.read_faults = ReadFaults(slow=0.7, slow_s=(0.01, 0.5 * cfg.lease_s))
+    _hybrid(cfg, rng, **{failing: {"read_faults": ReadFaults(fail=rng.uniform(0.3, 0.7))}})
+
+
+@scenario("hybrid_cancel_during_state_read",
+          "a hybrid model: the client cancels after the KV groups' READs landed while the "
+          "state group's READ (1.2–2.5 leases) is in flight (vLLM 0.32 stops heartbeating: "
+          "P frees under the state READ)")
+def _hybrid_cancel_state(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.read_faults = ReadFaults(slow=0.5, slow_s=(0.001, 0.05))
+    _hybrid(cfg, rng, state={"read_faults": ReadFaults(
+        slow=1.0, slow_s=(1.2 * cfg.lease_s, 2.5 * cfg.lease_s))})
+    cfg.cancel = CancelPlan(rng.uniform(0.4, 0.9), ("reads_posted",), (0.1, 0.3 * cfg.lease_s))
+
+
+@scenario("hybrid_sliding_window_no_read",
+          "a hybrid model where D holds the sliding-window group's blocks already: that group "
+          "posts no split, the others do; where D holds every group, a notify-only release")
+def _hybrid_window_no_read(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.read_faults = ReadFaults(slow=0.3, slow_s=(0.001, 0.5))
+    _hybrid(cfg, rng, sliding={"held_by_d": rng.uniform(0.3, 0.8)})
+    cfg.prefix_hit = rng.uniform(0.1, 0.3)  # D holds every group: nothing to read
+    cfg.cancel = CancelPlan(0.1, ("admitted", "reads_posted"), (0.0, 0.02))

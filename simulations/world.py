@@ -25,6 +25,7 @@ import numpy as np
 from kvhandoff.core.lifecycle import PState
 from kvhandoff.core.log import encode_event
 from kvhandoff.core.messages import Heartbeat, Release, encode
+from kvhandoff.simulations import kv
 from kvhandoff.simulations.config import RunConfig
 from kvhandoff.simulations.decode import DecodeEngine
 from kvhandoff.simulations.policies import POLICY_BY_NAME
@@ -134,13 +135,24 @@ class World:
         cfg, rng, clock = self.cfg, self.rng, self.clock
         t = 0.0
         lo, hi = cfg.blocks_per_request
+        layout = self.p.layout
         for i in range(cfg.requests):
             t += rng.expovariate(1.0 / cfg.inter_arrival_s)
-            req = SimRequest(f"req-{i}", i, rng.randint(lo, hi), t)
+            if layout is None:
+                req = SimRequest(f"req-{i}", i, rng.randint(lo, hi), t)
+            else:  # a hybrid prompt: its blocks are what every group holds of it
+                n = rng.randint(*cfg.tokens_per_request)
+                req = SimRequest(f"req-{i}", i, sum(len(kv.group_positions(g, n))
+                                                    for g in layout.groups), t, num_tokens=n)
             req.malformed = rng.random() < cfg.invalid_geometry
             req.prefix_hit = rng.random() < cfg.prefix_hit
             if cfg.cancel.rate and rng.random() < cfg.cancel.rate:
                 req.cancel_phase = rng.choice(cfg.cancel.phases)
+            if layout is not None:
+                # D holds every group of a prefix hit, and some groups of others.
+                req.held_groups = tuple(
+                    k for k, g in enumerate(cfg.groups)
+                    if req.prefix_hit or (g.held_by_d and rng.random() < g.held_by_d))
             self.requests.append(req)
             clock.call_at(t, self._arrive, req)
         self.last_arrival = t
@@ -281,7 +293,8 @@ class World:
     def _retry(self, req: SimRequest) -> None:
         """The client sends the same transfer parameters again, to the second D engine."""
         if self.d2 is not None and not self.d2.loop.dead:
-            again = SimRequest(req.rid, req.serial, req.num_blocks, self.clock.now)
+            again = SimRequest(req.rid, req.serial, req.num_blocks, self.clock.now,
+                               num_tokens=req.num_tokens, held_groups=req.held_groups)
             self.d2.submit(again, self.params[req.rid])
 
     def _retry_done(self, req: SimRequest, outcome: str) -> None:

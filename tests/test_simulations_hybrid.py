@@ -1,0 +1,282 @@
+"""Hybrid models in the simulator: several cache groups per request (issue #10).
+
+Each request is a full-attention group, a sliding-window group and a Mamba
+state group (`simulations.scenarios._hybrid`), one READ per (rank, group)
+that needs a read.  The tests assert effects on the logs and the fabric:
+when P frees against when every split drained, how many frees, which
+groups posted a split, which bytes D served.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import orjson
+import pytest
+
+from kvhandoff.core.log import read_logs
+from kvhandoff.core.planning import blocks_needed
+from kvhandoff.core.replay import replay
+from kvhandoff.simulations import kv
+from kvhandoff.simulations.decode import DecodeEngine
+from kvhandoff.simulations.runner import run_one, sweep
+from kvhandoff.simulations.scenarios import FULL, SLIDING, STATE, build, names
+from kvhandoff.simulations.world import World
+
+HYBRID = ["hybrid_slow_state_group", "hybrid_group_split_failure",
+          "hybrid_cancel_during_state_read", "hybrid_sliding_window_no_read"]
+SEEDS = range(int(os.environ.get("KVH_SIM_HYBRID_SEEDS", "40")))
+POLICIES = ("kvhandoff", "vllm-0.32")
+
+
+def events(log: bytes) -> list[dict]:
+    return [orjson.loads(line) for line in log.splitlines()]
+
+
+def _by_rid(evs: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for e in evs:
+        out.setdefault(e["rid"], []).append(e)
+    return out
+
+
+def _split_ends(history: list[dict]) -> dict[int, dict]:
+    """Split index -> its split_completed / split_failed event."""
+    return {e["split"]: e for e in history if e["type"] in ("split_completed", "split_failed")}
+
+
+def _frees_follow_every_split(result) -> int:
+    """Assert P freed each exported (request, rank) exactly once, never before the last split
+    reading that P rank (every group's) ended, and under kvhandoff, which releases after
+    ``finished_recving``, never before the request's last split; return how many requests
+    with splits were checked."""
+    d, p = _by_rid(events(result.d_log)), events(result.p_log)
+    exported = {(e["rid"], e["rank"]) for e in p if e["type"] == "exported"}
+    frees: dict[tuple[str, int], list[float]] = {}
+    for e in p:
+        if e["type"] == "freed":
+            frees.setdefault((e["rid"], e["rank"]), []).append(e["t"])
+    assert set(frees) == exported, "every exported (request, P rank) is freed"
+    assert all(len(ts) == 1 for ts in frees.values()), "freed exactly once"
+    checked = 0
+    for rid, history in d.items():
+        posted = [e for e in history if e["type"] == "reads_posted"]
+        if not posted:
+            continue
+        ends = _split_ends(history)
+        ranks = posted[0]["split_ranks"]
+        assert len(ends) == len(ranks), f"{rid}: every split drained"
+        for rank in set(ranks):
+            last = max(ends[i]["t"] for i, r in enumerate(ranks)
+                       if r == rank or result.policy == "kvhandoff")
+            assert frees[(rid, rank)][0] >= last, (
+                f"{rid}: P rank {rank} freed at {frees[(rid, rank)][0]} before the last "
+                f"split reading it ended at {last}")
+        checked += 1
+    return checked
+
+
+def test_the_catalogue_has_the_hybrid_scenarios_and_they_are_hybrid():
+    assert set(HYBRID) <= set(names())
+    for name in HYBRID:
+        cfg = build(name, 0)
+        assert [g.kind.value for g in cfg.groups] == ["full_attention", "sliding_window",
+                                                      "mamba_state"]
+    # One KV group stays the default: every other scenario is as it was.
+    assert all(build(name, 0).groups == () for name in names() if name not in HYBRID)
+    posted = [e for e in events(run_one("steady_state", 1).d_log) if e["type"] == "reads_posted"]
+    assert posted and all(e["split_groups"] == [] for e in posted)
+
+
+@pytest.mark.parametrize("scenario", HYBRID)
+def test_policy_kvhandoff_keeps_every_invariant_in_hybrid_scenarios(scenario):
+    summary = sweep([scenario], SEEDS, "kvhandoff")
+    assert summary.violations == [], summary.violations[:3]
+    t = summary.totals
+    assert t["freed_under_read"] == t["served_corrupt"] == t["served_unproven"] == 0
+    assert t["double_frees"] == t["leaks"] == t["stuck"] == t["overwritten_under_read"] == 0
+    assert t["served"] > 0
+
+
+@pytest.mark.parametrize("scenario", HYBRID)
+def test_every_split_is_one_rank_and_one_group_of_the_plan(scenario):
+    world = World(build(scenario, 2))
+    result = world.run(on_step=World.check_safety)
+    k = world.cfg.heads_per_p_rank
+    held = {r.rid: set(r.held_groups) for r in world.requests}
+    posted = [e for e in events(result.d_log) if e["type"] == "reads_posted"]
+    assert posted
+    for e in posted:
+        groups = [g for g in (FULL, SLIDING, STATE) if g not in held[e["rid"]]]
+        # one split per (D rank, group that needs a read), D rank d reading P rank d // k
+        assert list(zip(e["split_ranks"], e["split_groups"], strict=True)) == [
+            (d // k, g) for d in range(world.cfg.decode_tp) for g in groups]
+
+
+def test_a_slow_state_group_keeps_p_holding_every_group_until_its_read_drained():
+    for policy in POLICIES:
+        checked = slower = 0
+        for seed in range(10):
+            result = run_one("hybrid_slow_state_group", seed, policy)
+            assert result.metrics["freed_under_read"] == 0
+            assert result.metrics["lease_expiries"] == 0
+            checked += _frees_follow_every_split(result)
+            for history in _by_rid(events(result.d_log)).values():
+                posted = next((e for e in history if e["type"] == "reads_posted"), None)
+                if posted is None:
+                    continue
+                ends = _split_ends(history)
+                groups = posted["split_groups"]
+                state = max(ends[i]["t"] for i, g in enumerate(groups) if g == STATE)
+                kv_end = max(ends[i]["t"] for i, g in enumerate(groups) if g != STATE)
+                assert state - kv_end > 0.1 * 30.0, "the state READ is the slow one"
+                slower += state - kv_end > 30.0  # outlasted a whole lease
+        assert checked and slower, (policy, checked, slower)
+
+
+def test_one_groups_failed_split_fails_the_request_and_p_frees_once_after_the_others():
+    for policy in POLICIES:
+        overlapped = 0
+        for seed in range(10):
+            world = World(build("hybrid_group_split_failure", seed, policy))
+            result = world.run()
+            assert result.metrics["freed_under_read"] == 0
+            assert result.metrics["overwritten_under_read"] == 0
+            _frees_follow_every_split(result)
+            outcome = {r.rid: r.outcome for r in world.requests}
+            for rid, history in _by_rid(events(result.d_log)).items():
+                failed = [e for e in history if e["type"] == "split_failed"]
+                if not failed:
+                    continue
+                assert outcome[rid] in ("failed", "cancelled"), (rid, outcome[rid])
+                finish = next(e for e in history if e["type"] == "finished_recving")
+                ends = _split_ends(history)
+                assert all(e["seq"] < finish["seq"] for e in ends.values())
+                # another group's split still in flight when the first one failed
+                overlapped += any(e["t"] > failed[0]["t"] for e in ends.values())
+        assert overlapped, policy
+
+
+def test_cancel_during_the_state_read_vllm_032_frees_under_it_and_kvhandoff_does_not():
+    old = sweep(["hybrid_cancel_during_state_read"], range(20), "vllm-0.32")
+    new = sweep(["hybrid_cancel_during_state_read"], range(20), "kvhandoff")
+    assert old.totals["freed_under_read"] > 0
+    assert any(v["invariant"] == "freed_under_read" for v in old.violations)
+    assert new.totals["freed_under_read"] == 0 and new.violations == []
+    assert new.totals["cancelled"] > 0
+
+
+def test_the_cancel_lands_after_the_kv_groups_and_before_the_state_group():
+    # What the scenario is about: the KV groups' READs landed, the state READ runs on.
+    result = run_one("hybrid_cancel_during_state_read", 1)
+    between = 0
+    for history in _by_rid(events(result.d_log)).values():
+        kinds = {e["type"]: e for e in history}
+        if "client_cancelled" not in kinds or "reads_posted" not in kinds:
+            continue
+        groups = kinds["reads_posted"]["split_groups"]
+        ends = _split_ends(history)
+        t = kinds["client_cancelled"]["t"]
+        kv_end = max(ends[i]["t"] for i, g in enumerate(groups) if g != STATE)
+        state = min(ends[i]["t"] for i, g in enumerate(groups) if g == STATE)
+        if kv_end < t < state:
+            between += 1
+            beats = [e["t"] for e in history if e["type"] == "heartbeat_sent" and e["t"] > t]
+            assert beats and max(beats) > state - 30.0, "kvhandoff heartbeats until it drains"
+    assert between
+
+
+def test_the_checks_catch_vllm_032_freeing_under_the_state_read(tmp_path):
+    caught = replayed = 0
+    for seed in range(10):
+        world = World(build("hybrid_cancel_during_state_read", seed, "vllm-0.32"))
+        try:
+            world.run(on_step=World.check_heartbeats)
+        except AssertionError as e:
+            assert "no heartbeat sent to it" in str(e)
+            caught += 1
+        result = run_one("hybrid_cancel_during_state_read", seed, "vllm-0.32")
+        p, d = tmp_path / "p.jsonl", tmp_path / "d.jsonl"
+        p.write_bytes(result.p_log)
+        d.write_bytes(result.d_log)
+        replayed += any(v.invariant == "heartbeat_gap" for v in replay(read_logs([p, d])).violations)
+    assert caught and replayed
+    World(build("hybrid_cancel_during_state_read", 1)).run(on_step=World.check_heartbeats)
+
+
+def test_a_sliding_group_d_holds_posts_no_split_and_no_group_to_read_is_notify_only():
+    for policy in POLICIES:
+        window_only = notify_only = 0
+        for seed in range(10):
+            world = World(build("hybrid_sliding_window_no_read", seed, policy))
+            result = world.run()
+            assert result.metrics["lease_expiries"] == 0
+            _frees_follow_every_split(result)
+            d = _by_rid(events(result.d_log))
+            released = {e["rid"] for e in events(result.p_log) if e["type"] == "release_notified"}
+            for req in world.requests:
+                history = d.get(req.rid, [])
+                posted = [e for e in history if e["type"] == "reads_posted"]
+                if set(req.held_groups) == {FULL, SLIDING, STATE} and history:
+                    assert not posted, "no group needs a read: nothing posted"
+                    sent = [e for e in history if e["type"] == "release_sent"]
+                    assert sent and sent[0]["notify_only"]
+                    assert req.rid in released
+                    notify_only += 1
+                elif req.held_groups == (SLIDING,) and posted:
+                    assert SLIDING not in posted[0]["split_groups"]
+                    assert {FULL, STATE} <= set(posted[0]["split_groups"])
+                    window_only += 1
+        assert window_only and notify_only, (policy, window_only, notify_only)
+
+
+def test_p_exports_only_the_windows_blocks_of_the_sliding_group():
+    world = World(build("hybrid_sliding_window_no_read", 3))
+    world.run()
+    layout = world.p.layout
+    longer = 0
+    for params in world.params.values():
+        n = params.num_tokens
+        lists = params.block_ids
+        assert [len(x) for x in lists] == [blocks_needed(g, n) for g in layout.groups]
+        assert len(lists[STATE]) == 1
+        longer += len(lists[SLIDING]) < len(lists[FULL])
+    assert longer  # long prompts: the window reads fewer blocks than the prompt holds
+
+
+# --- the byte check knows the groups -----------------------------------------------------
+
+
+def test_a_token_names_its_group_and_position():
+    words = np.zeros((2, 8, 1), np.uint64)
+    kv.write(words, [3, 4], serial=7, rank=1, group=2, first=5)
+    assert kv.matches(words, [3, 4], 7, 1, group=2, first=5)
+    assert not kv.matches(words, [3, 4], 7, 1, group=0, first=5)
+    assert not kv.matches(words, [3, 4], 7, 1, group=2, first=4)
+    assert not kv.matches(words, [3, 4], 7, 0, group=2, first=5)
+    with pytest.raises(ValueError):
+        kv.tokens(7, 1, 2, 2, group=kv.MAX_GROUPS)
+
+
+@pytest.mark.parametrize("wrong", [SLIDING, STATE])
+def test_reading_another_groups_blocks_is_caught_as_corrupt(monkeypatch, wrong):
+    """A D that reads group ``wrong`` from the full-attention group's last blocks (valid
+    blocks of the same request, the wrong owner) serves corrupt bytes: the check sees it."""
+    admit = DecodeEngine._admit_groups
+
+    def misplanned(self, req, params, now):
+        admit(self, req, params, now)
+        imp = self.waiting.get(params.request_id)
+        if imp is not None and imp.group_pages[wrong]:
+            n = len(imp.remote_lists[wrong])
+            if len(imp.remote_lists[FULL]) >= n:
+                imp.remote_lists[wrong] = imp.remote_lists[FULL][-n:]
+
+    monkeypatch.setattr(DecodeEngine, "_admit_groups", misplanned)
+    corrupt = sum(run_one("hybrid_slow_state_group", seed).metrics["served_corrupt"]
+                  for seed in range(3))
+    assert corrupt > 0
+    world = World(build("hybrid_slow_state_group", 0))
+    with pytest.raises(AssertionError, match="differ"):
+        world.run(on_step=World.check_safety)
