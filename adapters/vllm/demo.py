@@ -101,6 +101,8 @@ def run_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
         model_dir=str(model), connector="kvhandoff", workdir=str(workdir),
         extra_config={"lease_s": opts.lease_s},
         d_extra_config={"debug_read_delay_param": True}, tag="demo",
+        # Mamba state is handed off with mamba_cache_mode 'none' (no prefix cache).
+        enable_prefix_caching=opts.model != "mamba2",
     )
     t0 = time.monotonic()
     pair = PDPair(cfg)

@@ -246,8 +246,15 @@ def _connector_stats() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec = EngineSpec.from_json(argv[0])
-    server = _Server(spec)
-    server.serve()
+    try:
+        server = _Server(spec)
+        server.serve()
+    except BaseException:  # an engine that cannot start (a refused topology) must exit
+        import traceback
+
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
     # Skip interpreter teardown: vLLM/NIXL threads can hang a clean exit.
     os._exit(0)
 

