@@ -123,7 +123,7 @@ def test_reads_posted_of_a_log_before_hybrid_models_reads_as_group_0(tmp_path):
 
 
 def test_split_groups_round_trip_and_a_wrong_type_is_named(tmp_path):
-    from kvhandoff.core.events import ReadsPosted, Stream, Side
+    from kvhandoff.core.events import ReadsPosted, Side, Stream
 
     stream = Stream("decode-0", Side.D, 0)
     ev = ReadsPosted("r", stream, 0, 1.0, split_ranks=(0, 0), split_groups=(0, 1))

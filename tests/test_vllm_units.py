@@ -11,9 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import wait_for
-from structlog.testing import capture_logs
-
 from hybrid_layouts import gemma_layout, one_group_layout
+from structlog.testing import capture_logs
 
 from kvhandoff.adapters.vllm.config import ConnectorConfigError, HandoffConfig
 from kvhandoff.adapters.vllm.params import (

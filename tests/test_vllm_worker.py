@@ -590,6 +590,7 @@ def test_a_hybrid_hand_off_reads_each_group_s_blocks_and_the_window_s_only(gemma
     assert not dbuf[:, untouched].abs().sum().item()
     page = GEMMA.groups[0].block_bytes  # both layer slots' pages of one block
     d_events = [e for e in read_log(d.flush()) if e.request_id == "g1"]
+    assert next(e for e in d_events if e.kind == "admitted").num_blocks == 10  # every group's
     posted = next(e for e in d_events if e.kind == "reads_posted")
     assert (posted.split_ranks, posted.split_groups) == ((0, 0), (0, 1))  # one split per group
     assert sorted(e.split for e in d_events if e.kind == "split_completed") == [0, 1]

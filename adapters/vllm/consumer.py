@@ -40,13 +40,13 @@ from kvhandoff.core.events import (
     SplitFailed,
     Validated,
 )
+from kvhandoff.core.groups import CacheLayout
 from kvhandoff.core.lifecycle import (
     ConsumerRecord,
     DState,
     Verdict,
     read_verdict_of,
 )
-from kvhandoff.core.groups import CacheLayout
 from kvhandoff.core.planning import export_lengths, plan_group_reads, validate_block_ids
 from kvhandoff.core.policy import (
     awaiting_proof,
@@ -243,7 +243,7 @@ class ConsumerHalf:
             return
         rid = remote.request_id
         if not self._record(Admitted, rid, now, remote_engine=remote.engine_id,
-                            remote_ranks=(self.rank,), num_blocks=len(remote.block_ids),
+                            remote_ranks=(self.rank,), num_blocks=sum(map(len, remote.block_ids)),
                             lease_s=remote.lease_s, lease_margin_s=self.cfg.lease_margin_s,
                             local_request_id=local_id):
             inc.error = "admission refused by the lifecycle"

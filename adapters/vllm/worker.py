@@ -61,13 +61,13 @@ from kvhandoff.core.events import (
     Side,
     Stream,
 )
+from kvhandoff.core.groups import CacheLayout
 from kvhandoff.core.ledger import Ledger
 from kvhandoff.core.lifecycle import (
     LifecycleState,
     prune_terminal,
 )
 from kvhandoff.core.log import LogWriter
-from kvhandoff.core.groups import CacheLayout
 from kvhandoff.core.planning import prefill_backoff
 from kvhandoff.transports.base import RegionMismatch
 from kvhandoff.transports.caches import kv_regions
