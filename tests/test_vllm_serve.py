@@ -40,7 +40,7 @@ httpx = pytest.importorskip("httpx")
 from kvhandoff.adapters.vllm.cluster import free_port  # noqa: E402
 from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY  # noqa: E402
 from kvhandoff.adapters.vllm.serve import ServeProcess, ServeSpec  # noqa: E402
-from kvhandoff.adapters.vllm.tiny_model import write_tiny_llama  # noqa: E402
+from kvhandoff.adapters.vllm.tiny_model import write_tiny_model  # noqa: E402
 from kvhandoff.core.log import read_log  # noqa: E402
 
 LEASE_S = 20.0  # > the time a request waits for D's admission on a loaded 2-core host
@@ -58,11 +58,12 @@ def text_prompt(seed: int, words: int = 60) -> str:
 
 
 class Route:
-    """The engines, the router and the log files of the module."""
+    """The engines, the router and the log files of the module (``kind``: the tiny model;
+    ``serve_args``: more ``vllm serve`` flags for all three engines)."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, kind: str = "llama", serve_args: tuple[str, ...] = ()) -> None:
         self.workdir = workdir
-        self.model = str(write_tiny_llama(workdir / "model"))
+        self.model = str(write_tiny_model(kind, workdir / "model"))
         self.log_dir = workdir / "events"
         self.side_port = free_port()
         common = {"lease_s": LEASE_S, "heartbeat_interval_s": 1.0, "lease_margin_s": 0.5,
@@ -72,12 +73,14 @@ class Route:
         # engine holds any request (a P holding a lease included): P alone on
         # core 0, or the reference starves behind a P that holds a lease.
         self.p = ServeProcess(ServeSpec("P", "prefill", self.model, "serve-P", dict(common),
-                                        side_channel_port=self.side_port, cpus="0"), workdir)
+                                        side_channel_port=self.side_port, cpus="0",
+                                        extra_args=serve_args), workdir)
         self.d = ServeProcess(ServeSpec("D", "decode", self.model, "serve-D", {
             **common, "debug_read_delay_param": True,
-            "trusted_producers": [f"127.0.0.1:{self.side_port}", "127.0.0.1:1"]}, cpus="1"),
-            workdir)
-        self.ref = ServeProcess(ServeSpec("REF", "plain", self.model, cpus="1"), workdir)
+            "trusted_producers": [f"127.0.0.1:{self.side_port}", "127.0.0.1:1"]}, cpus="1",
+            extra_args=serve_args), workdir)
+        self.ref = ServeProcess(ServeSpec("REF", "plain", self.model, cpus="1",
+                                          extra_args=serve_args), workdir)
         self.p_log = self.log_dir / "serve-P.P0.jsonl"
         self.d_log = self.log_dir / "serve-D.D0.jsonl"
         self.router_url = ""

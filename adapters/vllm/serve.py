@@ -38,6 +38,7 @@ class ServeSpec:
     side_channel_port: int = 0
     kv_load_failure_policy: str = "fail"
     cpus: str = ""  # VLLM_CPU_OMP_THREADS_BIND for this engine's worker (CPU build), e.g. "1"
+    extra_args: tuple[str, ...] = ()  # more `vllm serve` flags, e.g. --no-enable-prefix-caching
 
     def kv_transfer_config(self) -> dict[str, Any] | None:
         if self.role == "plain":
@@ -59,7 +60,7 @@ class ServeSpec:
         kvt = self.kv_transfer_config()
         if kvt is not None:
             argv += ["--kv-transfer-config", json.dumps(kvt)]
-        return argv
+        return argv + list(self.extra_args)
 
 
 class ServeProcess:
