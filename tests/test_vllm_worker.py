@@ -631,3 +631,25 @@ def test_a_local_block_list_that_does_not_fit_fails_the_read_naming_the_group(ge
     assert "cache group 0: local block ids[0] (the null block)" in next(
         e for e in events if e.kind == "split_failed").reason
     assert not dbuf.abs().sum().item()
+
+
+def test_d_stamps_a_completion_no_earlier_than_it_received_it(workers):
+    """A READ's completion time decides whether P provably held the source then: a clock
+    read before the poll that brought the completion in would date it too early."""
+    p, d, pc, dc, port = workers
+    _export(p, "r20", 1, "tok-20")
+    d.start_step(StepPlan(admits=[Admit("L20", _params("r20", port, (3,), "tok-20"), "", BLOCK)],
+                          reads=[Read("L20", [[33]])]))
+    received = []
+    real_poll = d.transport.poll
+
+    def poll():
+        out = real_poll()
+        if out:
+            received.append(time.monotonic())  # the moment the completion is in D's hands
+        return out
+
+    d.transport.poll = poll
+    _pump(p, d, lambda s, r, f: "r20" in s and "L20" in r)
+    (done,) = [e for e in read_log(d.flush()) if e.request_id == "r20" and e.kind == "split_completed"]
+    assert received and done.t >= received[0]

@@ -502,7 +502,7 @@ class ConsumerHalf:
         it waits for one) and D forgets it: its heartbeats stop, so P frees
         its blocks when the lease lapses.  Until then it keeps its heartbeat
         and D keeps its pages: a READ in flight never loses its lease.
-        Called again each step (`_d_poll`) until its READs drain.
+        Called again each step (`_d_drain`) until its READs drain.
         """
         if inc.in_flight(now):
             return
@@ -521,7 +521,9 @@ class ConsumerHalf:
                 return inc
         return None
 
-    def _d_poll(self, now: float) -> None:
+    def _d_poll(self) -> None:
+        """Collect READ completions (the caller reads the clock after this: a completion's
+        time is never earlier than its receipt, or a late READ could pass for a safe one)."""
         for c in self.transport.poll():
             inc = self._local_of(c.handle)
             if inc is None:
@@ -531,6 +533,9 @@ class ConsumerHalf:
             if self.cfg.debug_read_delay_param and inc.remote is not None:
                 delay = max(delay, inc.remote.debug_read_delay_s)
             inc.held.append((inc.posted_at + delay, c.handle, c.ok, c.reason))
+
+    def _d_drain(self, now: float) -> None:
+        """Record the completions that are due (`_drain`), request by request."""
         for inc in list(self._incoming.values()):
             if inc.repeats:  # ended for good: only waits for its READs to drain
                 self._end_for_good(inc, now)

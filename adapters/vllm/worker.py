@@ -291,7 +291,11 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
             else:
                 self._stage("lost_producers", self._drop_lost_producers)
                 self._stage("handshakes", self._finish_handshakes, now)
-                self._stage("poll", self._d_poll, now)
+                self._stage("poll", self._d_poll)
+                # Read after the receipt: what the poll brought in is stamped no earlier
+                # than it arrived (a READ's completion time decides whether it was safe).
+                now = max(now, time.monotonic())
+                self._stage("drain", self._d_drain, now)
                 self._stage("notifications", self._d_notifs, now)
                 self._stage("heartbeats", self._d_heartbeats, now)
                 self._stage("report", self._d_report, now)
