@@ -42,18 +42,26 @@ pytestmark = pytest.mark.timeout(900)
 def pair(tmp_path_factory):
     work = tmp_path_factory.mktemp("multi")
     model = write_tiny_model("gemma3", work / "model")
-    pd = PDPair(PDConfig(
+    # vLLM's default log level: it turns on LoggingStatLogger, which rebuilds
+    # MultiConnector's per-child stats by connector name every step.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_LOGGING_LEVEL", "INFO")
+        pd = _start(model, work)
+    try:
+        pd.wait_ready(timeout_s=600)
+        yield pd
+    finally:
+        pd.stop()
+
+
+def _start(model, work) -> PDPair:
+    return PDPair(PDConfig(
         model_dir=str(model), connector="kvhandoff", d_connector="multi", workdir=str(work),
         tag="multi",
         extra_config={"lease_s": LEASE_S, "heartbeat_interval_s": 0.5, "lease_margin_s": 0.3,
                       "read_timeout_s": 12.0},
         d_extra_config={"debug_read_delay_param": True},
     ))
-    try:
-        pd.wait_ready(timeout_s=600)
-        yield pd
-    finally:
-        pd.stop()
 
 
 _counter = iter(range(10_000))
@@ -88,6 +96,18 @@ def _hand_off(pd: PDPair, prompt: list[int], extra: dict | None = None) -> tuple
     assert params and params["do_remote_prefill"], params
     pd.d.add(rid, prompt, OUT, {**params, **(extra or {})})
     return rid, params
+
+
+def test_multiconnector_rebuilds_kvhandoff_stats_by_name():
+    """What vLLM's stat logger does with D's stats each step (no engine needed)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    from kvhandoff.adapters.vllm.connector import KVHandoffStats
+
+    stats = MultiConnector.build_kv_connector_stats(
+        {"KVHandoffConnector": {"reads_completed": 2, "read_s": [0.5], "read_bytes": [10]}})
+    assert isinstance(stats["KVHandoffConnector"], KVHandoffStats)
+    assert stats.reduce()["KVHandoffConnector"]["reads_completed"] == 2
 
 
 def test_d_runs_the_composition(pair):
