@@ -214,6 +214,9 @@ class PDConfig:
     kv_load_failure_policy: str = "fail"
     tag: str = ""
     enable_prefix_caching: bool = True
+    # D's connector when it differs from ``connector``: "multi" runs kvhandoff
+    # inside MultiConnector next to DecodeBenchConnector (engine_proc.EngineSpec).
+    d_connector: str = ""
 
 
 class PDPair:
@@ -229,11 +232,14 @@ class PDPair:
 
     def _start(self, role: str, name: str, extra: dict[str, Any]) -> EngineHandle:
         merged = {**self.cfg.extra_config, **extra}
-        if self.cfg.connector == "kvhandoff":
+        connector = self.cfg.connector
+        if role == "decode" and self.cfg.d_connector:
+            connector = self.cfg.d_connector
+        if connector in ("kvhandoff", "multi"):
             merged.setdefault("log_dir", str(self.workdir / "events"))
         spec = EngineSpec(
             name=name, role=role, model_dir=self.cfg.model_dir, control="",
-            connector=self.cfg.connector, engine_id=f"{name}-{os.getpid()}-{int(time.time() * 1e3) % 100000}",
+            connector=connector, engine_id=f"{name}-{os.getpid()}-{int(time.time() * 1e3) % 100000}",
             side_channel_port=free_port(), extra_config=merged,
             kv_load_failure_policy=self.cfg.kv_load_failure_policy,
             enable_prefix_caching=self.cfg.enable_prefix_caching,

@@ -284,3 +284,26 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
+
+
+def _register_by_name() -> None:
+    """Make ``KVHandoffConnector`` known to vLLM's connector registry by name.
+
+    vLLM loads it through ``kv_connector_module_path``, which never registers
+    it; but ``MultiConnector.build_kv_connector_stats`` rebuilds each child's
+    stats from their serialized dicts with
+    ``KVConnectorFactory.get_connector_class_by_name(<class name>)``.  Without
+    this, vLLM's ``LoggingStatLogger`` (on at the default INFO log level)
+    raises ``ValueError: Connector 'KVHandoffConnector' is not registered`` on
+    the first step that carries kvhandoff's stats, and the engine loop dies.
+    Importing this module (which resolving the module path does) registers it.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    try:
+        KVConnectorFactory.register_connector("KVHandoffConnector", __name__, "KVHandoffConnector")
+    except ValueError:  # already registered (by an earlier import of this module)
+        pass
+
+
+_register_by_name()

@@ -24,7 +24,10 @@ import orjson
 
 @dataclass(slots=True)
 class EngineSpec:
-    """How to start one engine.  ``connector``: ``kvhandoff`` | ``nixl`` | ``none``."""
+    """How to start one engine.  ``connector``: ``kvhandoff`` | ``nixl`` | ``none`` |
+    ``multi`` (D only: ``MultiConnector[KVHandoffConnector, DecodeBenchConnector]``,
+    kvhandoff first so it claims the remote-prefill requests; DecodeBench fills
+    every other request's prompt with dummy KV, docs/operator-guide.md)."""
 
     name: str
     role: str  # "prefill" | "decode" | "single"
@@ -73,19 +76,29 @@ def _kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
         "engine_id": spec.engine_id or spec.name,
         "kv_load_failure_policy": spec.kv_load_failure_policy,
     }
-    if spec.connector == "kvhandoff":
+    if spec.connector in ("kvhandoff", "multi"):
         cfg["kv_connector"] = "KVHandoffConnector"
         cfg["kv_connector_module_path"] = "kvhandoff.adapters.vllm"
         extra = dict(spec.extra_config)
         if spec.side_channel_port:
             extra.setdefault("side_channel_port", spec.side_channel_port)
         cfg["kv_connector_extra_config"] = extra
+        if spec.connector == "multi":
+            if role != "kv_consumer":
+                raise ValueError("connector 'multi' is for the decode engine only")
+            # MultiConnector gives each child the parent's engine_id; a child
+            # that names one too is refused (KVTransferConfig(**ktc, engine_id=...)).
+            child = {k: v for k, v in cfg.items() if k != "engine_id"}
+            bench = {"kv_connector": "DecodeBenchConnector", "kv_role": role}
+            cfg = {k: cfg[k] for k in ("kv_role", "engine_id", "kv_load_failure_policy")}
+            cfg["kv_connector"] = "MultiConnector"
+            cfg["kv_connector_extra_config"] = {"connectors": [child, bench]}
     elif spec.connector == "nixl":
         cfg["kv_connector"] = "TimedNixlConnector"
         cfg["kv_connector_module_path"] = "kvhandoff.adapters.vllm.timing"
         cfg["kv_connector_extra_config"] = dict(spec.extra_config)
     else:
-        raise ValueError(f"unknown connector {spec.connector!r} (kvhandoff | nixl | none)")
+        raise ValueError(f"unknown connector {spec.connector!r} (kvhandoff | multi | nixl | none)")
     return cfg
 
 
