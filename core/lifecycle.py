@@ -419,7 +419,7 @@ P_GRAPH: tuple[tuple, ...] = (
 D_GRAPH: tuple[tuple, ...] = (
     ("admitted", [D.NEW], D.ADMITTED, _admit, None),
     ("validated", [D.ADMITTED], D.VALIDATED, None, None),
-    ("rejected", [D.ADMITTED], D.REJECTED, _note_failure, None),
+    ("rejected", [D.ADMITTED, D.VALIDATED], D.REJECTED, _note_failure, None),
     ("client_cancelled", [D.ADMITTED, D.VALIDATED], D.CANCELLED, _cancel, None),
     ("reads_posted", [D.VALIDATED], D.READING, _post_reads, None),
     ("release_sent", [D.VALIDATED], D.DONE, None, _notify_only),  # full prefix hit

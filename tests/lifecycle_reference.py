@@ -160,7 +160,7 @@ class ReferenceModel:
             return self._move(r, s == "ADMITTED", "VALIDATED")
         if kind == "rejected":
             r.failed = True
-            return self._move(r, s == "ADMITTED", "REJECTED")
+            return self._move(r, s in ("ADMITTED", "VALIDATED"), "REJECTED")
         if kind == "client_cancelled":
             r.cancelled = True
             nxt = {"ADMITTED": "CANCELLED", "VALIDATED": "CANCELLED",

@@ -67,6 +67,7 @@ LEGAL = [
     (D.ADMITTED, Rejected, dict(reason="block id out of range"), D.REJECTED),
     (D.ADMITTED, ClientCancelled, {}, D.CANCELLED),
     (D.VALIDATED, ClientCancelled, {}, D.CANCELLED),
+    (D.VALIDATED, Rejected, dict(reason="failed before its reads"), D.REJECTED),
     (D.VALIDATED, ReadsPosted, dict(split_ranks=(0,)), D.READING),
     (D.VALIDATED, ReleaseSent, dict(notify_only=True), D.DONE),
     (D.READING, SplitCompleted, dict(split=0), D.READING),

@@ -251,6 +251,8 @@ class HandoffMachine(RuleBasedStateMachine):
         self._admit(rid)
         self._probe_d(data, rid)
         if path == "reject":
+            if data.draw(PROBE):  # a request that fails after validation, before its reads
+                self._event(D0, Validated, rid)
             self._event(D0, Rejected, rid, reason="geometry")
         elif path == "cancel":
             self._event(D0, ClientCancelled, rid)

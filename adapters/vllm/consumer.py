@@ -469,16 +469,8 @@ class ConsumerHalf:
         rec = self._rec(rid) if rid else None
         try:
             state = rec.state if isinstance(rec, ConsumerRecord) else None
-            if state is DState.ADMITTED:
+            if state in (DState.ADMITTED, DState.VALIDATED):  # no READ posted yet
                 self._record(Rejected, rid, now, reason=reason[:500])
-                self._release(rid, now, notify_only=True)
-            elif state is DState.VALIDATED:
-                # The graph has no failure arrow out of VALIDATED: cancelling is
-                # the one way to release P.  The event says client_cancelled;
-                # the real reason is this log line.
-                log.warning("vllm.worker.failure_recorded_as_cancel", request_id=rid,
-                            local_request_id=local_id, error=reason)
-                self._record(ClientCancelled, rid, now)
                 self._release(rid, now, notify_only=True)
             elif state in (DState.READING, DState.CANCELLED_READING) and not inc.timed_out:
                 # Its READs only drain now (``splits_failed``); _d_report reports it.
