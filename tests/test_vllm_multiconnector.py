@@ -26,14 +26,20 @@ from conftest import wait_for
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
+from pd_helpers import (  # noqa: E402
+    OUT,
+    abort_during_the_reads,
+    hand_off,
+    log_of,
+    prompts,
+    reference,
+)
+
 from kvhandoff.adapters.vllm.cluster import PDConfig, PDPair  # noqa: E402
-from kvhandoff.adapters.vllm.demo import analyse_logs, prompts_for  # noqa: E402
-from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY  # noqa: E402
+from kvhandoff.adapters.vllm.demo import analyse_logs  # noqa: E402
 from kvhandoff.adapters.vllm.tiny_model import write_tiny_model  # noqa: E402
-from kvhandoff.core.log import read_log  # noqa: E402
 
 LEASE_S = 4.0
-OUT = 8
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -46,56 +52,18 @@ def pair(tmp_path_factory):
     # MultiConnector's per-child stats by connector name every step.
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_LOGGING_LEVEL", "INFO")
-        pd = _start(model, work)
+        pd = PDPair(PDConfig(
+            model_dir=str(model), connector="kvhandoff", d_connector="multi", workdir=str(work),
+            tag="multi",
+            extra_config={"lease_s": LEASE_S, "heartbeat_interval_s": 0.5, "lease_margin_s": 0.3,
+                          "read_timeout_s": 12.0},
+            d_extra_config={"debug_read_delay_param": True},
+        ))
     try:
         pd.wait_ready(timeout_s=600)
         yield pd
     finally:
         pd.stop()
-
-
-def _start(model, work) -> PDPair:
-    return PDPair(PDConfig(
-        model_dir=str(model), connector="kvhandoff", d_connector="multi", workdir=str(work),
-        tag="multi",
-        extra_config={"lease_s": LEASE_S, "heartbeat_interval_s": 0.5, "lease_margin_s": 0.3,
-                      "read_timeout_s": 12.0},
-        d_extra_config={"debug_read_delay_param": True},
-    ))
-
-
-_counter = iter(range(10_000))
-
-
-def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
-    return [prompts_for(1, n, n, seed=seed + i)[0] for i, n in enumerate(lengths)]
-
-
-def _log(pd: PDPair, side: str) -> list:
-    handle = pd.p if side == "P" else pd.d
-    (path,) = [p for p in handle.flush() if f".{side}0." in p]
-    return read_log(path)
-
-
-def _events(pd: PDPair, side: str, p_request_id: str) -> list:
-    return [e for e in _log(pd, side) if e.request_id == p_request_id]
-
-
-def _reference(pd: PDPair, prompts: list[list[int]]) -> list[list[int]]:
-    """P decoding alone: the single-engine reference."""
-    refs = [f"ref-{next(_counter)}" for _ in prompts]
-    for rid, p in zip(refs, prompts, strict=True):
-        pd.p.add(rid, p, OUT)
-    done = pd.p.wait_done(refs)
-    return [done[r]["token_ids"] for r in refs]
-
-
-def _hand_off(pd: PDPair, prompt: list[int], extra: dict | None = None) -> tuple[str, dict]:
-    rid = f"mc-{next(_counter)}"
-    params = pd.prefill([rid], [prompt])[rid]["kv_transfer_params"]
-    assert params and params["do_remote_prefill"], params
-    pd.d.add(rid, prompt, OUT, {**params, **(extra or {})})
-    return rid, params
 
 
 def test_multiconnector_rebuilds_kvhandoff_stats_by_name():
@@ -124,18 +92,18 @@ def test_d_runs_the_composition(pair):
 
 def test_hand_offs_through_the_composition_decode_the_reference(pair):
     # 192 and 320 put the sliding window's first token on a block boundary.
-    prompts = _prompts([65, 191, 192, 320, 400], seed=131)
-    ref = _reference(pair, prompts)
+    batch = prompts([65, 191, 192, 320, 400], seed=131)
+    ref = reference(pair, batch)
     assert len({tuple(t) for t in ref}) == len(ref), "outputs must differ"
     p_rids = []
-    for prompt, want in zip(prompts, ref, strict=True):
-        rid, params = _hand_off(pair, prompt)
+    for prompt, want in zip(batch, ref, strict=True):
+        rid, params = hand_off(pair, prompt)
         out = pair.d.wait_done([rid])[rid]
         assert out["finish_reason"] == "length", out
         # DecodeBench's dummy fill would change these: kvhandoff loaded every block.
         assert out["token_ids"] == want, f"prompt of {len(prompt)} tokens"
         p_rids.append(params["remote_request_id"])
-    p_log = wait_for(lambda: (evs := _log(pair, "P"))
+    p_log = wait_for(lambda: (evs := log_of(pair, "P"))
                      and all(any(e.kind == "freed" and e.request_id == r for e in evs)
                              for r in p_rids) and evs,
                      LEASE_S + 30, "P to free every hand-off", interval=0.2)
@@ -146,15 +114,15 @@ def test_hand_offs_through_the_composition_decode_the_reference(pair):
 
 
 def test_a_plain_request_is_served_by_decode_bench_and_kvhandoff_claims_nothing(pair):
-    (prompt,) = _prompts([300], seed=171)
-    (want,) = _reference(pair, [prompt])
-    rid = f"plain-{next(_counter)}"
+    (prompt,) = prompts([300], seed=171)
+    (want,) = reference(pair, [prompt])
+    rid = "plain-0"
     pair.d.add(rid, prompt, OUT)  # no kv_transfer_params
     out = pair.d.wait_done([rid])[rid]
     assert out["finish_reason"] == "length" and len(out["token_ids"]) == OUT, out
     # D did not compute the prompt: its KV is DecodeBench's dummy fill.
     assert out["token_ids"] != want, "D computed the prompt itself: DecodeBench did not load it"
-    d_log = _log(pair, "D")
+    d_log = log_of(pair, "D")
     mentions = [e for e in d_log
                 if rid in (v for v in (getattr(e, f.name) for f in dataclasses.fields(e))
                            if isinstance(v, str))]
@@ -162,29 +130,12 @@ def test_a_plain_request_is_served_by_decode_bench_and_kvhandoff_claims_nothing(
 
 
 def test_an_abort_during_a_slow_read_keeps_p_s_lease_until_finished_recving(pair):
-    (prompt,) = _prompts([300], seed=151)
-    slow = LEASE_S * 1.5  # the read outlasts a whole lease: only heartbeats keep P's blocks
-    rid, params = _hand_off(pair, prompt, {DEBUG_DELAY_KEY: slow})
-    p_rid = params["remote_request_id"]
-    wait_for(lambda: any(e.kind == "reads_posted" for e in _events(pair, "D", p_rid)), 60,
-             "D to post its reads", interval=0.05)
-    pair.d.abort([rid])
-    assert pair.d.wait_done([rid])[rid]["finish_reason"] == "aborted"
-    p_evs = wait_for(lambda: (evs := _events(pair, "P", p_rid))
-                     and any(e.kind == "freed" for e in evs) and evs,
-                     slow + LEASE_S + 10, f"P to free {p_rid}", interval=0.2)
-    d_evs = _events(pair, "D", p_rid)
-    t_recv = [e.t for e in d_evs if e.kind == "finished_recving"]
-    assert len(t_recv) == 1, [e.kind for e in d_evs]
-    assert all(e.t <= t_recv[0] for e in d_evs if e.kind == "split_completed")
-    kinds = [e.kind for e in p_evs]
-    assert "lease_expired" not in kinds, "P's lease lapsed under a read"
-    assert kinds.count("freed") == 1, kinds
-    assert next(e.t for e in p_evs if e.kind == "freed") >= t_recv[0]
+    (prompt,) = prompts([300], seed=151)
+    abort_during_the_reads(pair, prompt, LEASE_S)  # MultiConnector forwards the delayed free
     # D still serves after the delayed free: a fresh hand-off decodes the reference.
-    (prompt2,) = _prompts([200], seed=161)
-    (want,) = _reference(pair, [prompt2])
-    rid2, _ = _hand_off(pair, prompt2)
+    (prompt2,) = prompts([200], seed=161)
+    (want,) = reference(pair, [prompt2])
+    rid2, _ = hand_off(pair, prompt2)
     assert pair.d.wait_done([rid2])[rid2]["token_ids"] == want
 
 

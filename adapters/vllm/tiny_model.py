@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -75,21 +76,31 @@ def write_tiny_llama(directory: str | Path, spec: TinyLlamaSpec | None = None) -
     engines that start concurrently read identical files.
     """
     import torch
-    from safetensors.torch import save_file
 
     spec = spec or TinyLlamaSpec()
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    config_path = out / "config.json"
-    weights_path = out / "model.safetensors"
     config = spec.hf_config()
     write_tokenizer(out, spec.vocab_size)
-    if config_path.exists() and weights_path.exists():
-        try:
-            if json.loads(config_path.read_text()) == config:
-                return out
-        except ValueError:
-            pass
+    if _up_to_date(out, config):
+        return out
+    rand, tensors = _attention_stack(spec)
+    for i in range(spec.num_hidden_layers):
+        p = f"model.layers.{i}."
+        tensors[p + "input_layernorm.weight"] = torch.ones(spec.hidden_size)
+        tensors[p + "post_attention_layernorm.weight"] = torch.ones(spec.hidden_size)
+    tensors["model.norm.weight"] = torch.ones(spec.hidden_size)
+    tensors["lm_head.weight"] = rand(spec.vocab_size, spec.hidden_size)
+    return _save_model(out, config, tensors, spec.seed)
+
+
+def _attention_stack(spec: Any, extra: Any = None) -> tuple[Any, dict[str, Any]]:
+    """(the seeded ``rand``, the embedding and each layer's attention and MLP weights).
+
+    Drawn in one fixed order (embedding, then per layer q, k, v, o, ``extra``
+    (layer prefix), gate, up, down) so a spec always gives the same bytes.
+    """
+    import torch
 
     gen = torch.Generator().manual_seed(spec.seed)
     h, inter, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
@@ -106,20 +117,12 @@ def write_tiny_llama(directory: str | Path, spec: TinyLlamaSpec | None = None) -
         tensors[p + "self_attn.k_proj.weight"] = rand(kv_out, h)
         tensors[p + "self_attn.v_proj.weight"] = rand(kv_out, h)
         tensors[p + "self_attn.o_proj.weight"] = rand(h, q_out)
+        if extra is not None:
+            tensors.update(extra(p))
         tensors[p + "mlp.gate_proj.weight"] = rand(inter, h)
         tensors[p + "mlp.up_proj.weight"] = rand(inter, h)
         tensors[p + "mlp.down_proj.weight"] = rand(h, inter)
-        tensors[p + "input_layernorm.weight"] = torch.ones(h)
-        tensors[p + "post_attention_layernorm.weight"] = torch.ones(h)
-    tensors["model.norm.weight"] = torch.ones(h)
-    tensors["lm_head.weight"] = rand(spec.vocab_size, h)
-
-    tmp = weights_path.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    tmp.replace(weights_path)
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
-    log.info("vllm.tiny_model.written", path=str(out), seed=spec.seed)
-    return out
+    return rand, tensors
 
 
 _SPECIALS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2: the config's bos/eos ids
@@ -255,26 +258,12 @@ def write_tiny_gemma3(directory: str | Path, spec: TinyGemma3Spec | None = None)
     if _up_to_date(out, config):
         return out
 
-    gen = torch.Generator().manual_seed(spec.seed)
-    h, inter, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
-    q_out = spec.num_attention_heads * hd
-    kv_out = spec.num_key_value_heads * hd
-
-    def rand(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * spec.weight_std).contiguous()
-
-    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rand(spec.vocab_size, h)}
+    h, hd = spec.hidden_size, spec.head_dim
+    rand, tensors = _attention_stack(spec, lambda p: {
+        p + "self_attn.q_norm.weight": torch.zeros(hd),
+        p + "self_attn.k_norm.weight": torch.zeros(hd)})
     for i in range(spec.num_hidden_layers):
         p = f"model.layers.{i}."
-        tensors[p + "self_attn.q_proj.weight"] = rand(q_out, h)
-        tensors[p + "self_attn.k_proj.weight"] = rand(kv_out, h)
-        tensors[p + "self_attn.v_proj.weight"] = rand(kv_out, h)
-        tensors[p + "self_attn.o_proj.weight"] = rand(h, q_out)
-        tensors[p + "self_attn.q_norm.weight"] = torch.zeros(hd)
-        tensors[p + "self_attn.k_norm.weight"] = torch.zeros(hd)
-        tensors[p + "mlp.gate_proj.weight"] = rand(inter, h)
-        tensors[p + "mlp.up_proj.weight"] = rand(inter, h)
-        tensors[p + "mlp.down_proj.weight"] = rand(h, inter)
         for norm in ("input_layernorm", "post_attention_layernorm",
                      "pre_feedforward_layernorm", "post_feedforward_layernorm"):
             tensors[p + norm + ".weight"] = torch.zeros(h)
