@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvhandoff.core.errors import MalformedMessage
+from kvhandoff.core.groups import SCHEMA_VERSION as LAYOUT_VERSION
 
 MAX_LEASE_S = 86400.0
 MAX_GROUPS = 64
@@ -50,6 +51,7 @@ class RemotePrefill:
             "pp_size": 1, "dcp_size": 1, "remote_block_ids": [list(g) for g in self.block_ids],
             "remote_num_tokens": self.num_tokens, "lease_s": self.lease_s,
             DEBUG_DELAY_KEY: self.debug_read_delay_s, "release_token": self.token,
+            "cache_layout_version": LAYOUT_VERSION,
         }
 
 
@@ -94,6 +96,11 @@ def parse_remote_prefill(params: Any, max_block_id: int = 1 << 31) -> RemotePref
         # Bounded: D remembers a request two leases after it ends (single-use).
         raise MalformedTransferParams(
             f"kv_transfer_params['lease_s']: expected a number in (0, {MAX_LEASE_S:g}], found {lease!r}")
+    version = params.get("cache_layout_version", LAYOUT_VERSION)
+    if version != LAYOUT_VERSION or isinstance(version, bool):
+        raise MalformedTransferParams(
+            f"kv_transfer_params['cache_layout_version']: expected {LAYOUT_VERSION}, found "
+            f"{version!r} (P and D run different kvhandoff versions)")
     block_ids = _block_ids(_get(params, "remote_block_ids", list), max_block_id)
     delay = params.get(DEBUG_DELAY_KEY, 0.0)
     if isinstance(delay, bool) or not isinstance(delay, int | float) or not 0 <= delay <= 600:

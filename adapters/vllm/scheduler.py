@@ -39,6 +39,7 @@ from kvhandoff.adapters.vllm import timing
 from kvhandoff.adapters.vllm.config import HandoffConfig
 from kvhandoff.adapters.vllm.metadata import Admit, Export, Failure, Read, StepPlan
 from kvhandoff.adapters.vllm.params import (
+    LAYOUT_VERSION,
     PROTOCOL,
     MalformedTransferParams,
     parse_identity,
@@ -257,7 +258,7 @@ class HandoffScheduler:
                     "remote_port": self.cfg.side_channel_port, "tp_size": self.tp_size,
                     "pp_size": 1, "dcp_size": 1, "remote_block_ids": [list(g) for g in blocks],
                     "remote_num_tokens": n, "lease_s": self.cfg.lease_s,
-                    "release_token": token,
+                    "release_token": token, "cache_layout_version": LAYOUT_VERSION,
                 }
             if started:
                 self._plan.aborted.append(rid)
