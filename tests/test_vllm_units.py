@@ -57,7 +57,7 @@ def test_params_round_trip():
     (lambda p: p.update(lease_s=-1), "lease_s"),
     (lambda p: p.update(protocol="nixl/14"), "protocol"),
     (lambda p: p.update(release_token=7), "release_token"),
-    (lambda p: p.update(cache_layout_version=2), "cache_layout_version'\]: expected 1, found 2"),
+    (lambda p: p.update(cache_layout_version=2), r"cache_layout_version'\]: expected 1, found 2"),
 ])
 def test_malformed_params_name_the_field(mutate, field):
     p = GOOD.to_wire()
