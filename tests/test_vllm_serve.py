@@ -393,7 +393,7 @@ HOSTILE = {
     "blocks_nested": (lambda p, o: {**p, "remote_block_ids": [[p["remote_block_ids"][0]]]},
                       "remote_block_ids"),
     "blocks_duplicate": (lambda p, o: {**p, "remote_block_ids": [[p["remote_block_ids"][0][0]] * len(p["remote_block_ids"][0])]},
-                         "duplicate block ids"),
+                         "duplicate block id"),
     "blocks_too_few": (lambda p, o: {**p, "remote_block_ids": [p["remote_block_ids"][0][:-1]]},
                        "remote_block_ids"),
     "a_million_blocks": (lambda p, o: {**p, "remote_block_ids": [list(range(10**6))]},
