@@ -124,6 +124,29 @@ def test_each_group_reads_what_it_needs_not_the_prompt(pair):
         assert len({nbytes for _, nbytes, _ in per_request}) == 1 and per_request[0][1] > 0
 
 
+def test_a_local_prefix_hit_reaching_into_the_window_reads_only_the_rest(pair):
+    """D's own prefix cache holds 4 blocks of the second prompt; its window starts in block 3,
+    inside that hit: D reads block 4 of each group, nothing it already holds.
+
+    The first prompt (530 tokens, D loads 529) leaves D blocks 0-3 of the full group and
+    block 3 of the sliding one (its window: tokens 466..) cached: what vLLM needs for a
+    4-block hit of a hybrid model (the window before the hit's end, docs/hybrid.md).
+    """
+    if pair.kind != "gemma3":
+        pytest.skip("Mamba state has no prefix cache here (mamba_cache_mode 'none')")
+    first, other = prompts([530, 20], seed=71)
+    second = first[:4 * BLOCK] + other[:10]  # 522 tokens: D loads 521, blocks 0-4
+    assert max(0, len(second) - 1 - WINDOW + 1) // BLOCK == 3  # the window starts in block 3
+    ref_first, ref_second = reference(pair, [first, second])
+    rid, _ = hand_off(pair, first)
+    assert pair.d.wait_done([rid])[rid]["token_ids"] == ref_first
+    before = _bytes_read(pair)
+    rid, params = hand_off(pair, second)
+    assert pair.d.wait_done([rid])[rid]["token_ids"] == ref_second
+    assert [len(ids) for ids in params["remote_block_ids"]] == [2, 5]  # what P offers
+    assert _bytes_read(pair) - before == 2 * GEMMA_GROUP_BLOCK  # block 4 of each group
+
+
 def test_an_abort_during_the_reads_keeps_p_s_blocks_until_every_group_drained(pair):
     (prompt,) = prompts([300], seed=51)
     params, _, d_evs = abort_during_the_reads(pair, prompt, LEASE_S)

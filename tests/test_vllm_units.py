@@ -263,7 +263,26 @@ def test_hybrid_prefill_leaves_the_last_token_to_d_and_exports_only_what_d_reads
     d.update_state_after_alloc(q, _blocks([0, 0, 0, 0, 40, 41, 42], [50, 51, 52, 53, 54, 55, 56, 57]),
                                99)
     (read,) = d.build_plan().reads
-    assert read.local_block_ids == [[0, 0, 0, 0, 40, 41, 42], [50, 51, 52, 53, 54, 55, 56]]
+    assert read.local_block_ids == [[40, 41, 42], [50, 51, 52, 53, 54, 55, 56]]
+
+
+def test_a_local_prefix_hit_that_reaches_into_the_window_reads_only_the_rest():
+    """D holds the first 5 blocks from its own prefix cache; the window (positions 4-6) starts
+    inside that hit: D reads positions 5 and 6 of both groups, into its new blocks."""
+    from kvhandoff.core.planning import plan_group_reads
+
+    d = _sched(producer=False, layout=GEMMA)
+    remote = ((30, 31, 9), (10, 11, 12, 13, 14, 15, 16))
+    params = RemotePrefill("P-1", "req-h", "127.0.0.1", 5600, 1, remote, 99, 30.0).to_wire()
+    q = _prompt_request("d2", 100, params)
+    d.on_new_request(q)
+    d.update_state_after_alloc(q, _blocks([0, 0, 0, 0, 24, 41, 42], [20, 21, 22, 23, 25, 55, 56],
+                                          hashed=5), 19)
+    (read,) = d.build_plan().reads
+    assert read.local_block_ids == [[41, 42], [55, 56]]
+    plan = plan_group_reads(GEMMA, GEMMA, remote, read.local_block_ids, 99, null_block=0)
+    assert [(r.group, r.remote_ids, r.local_ids) for r in plan.reads] == [
+        (0, (31, 9), (41, 42)), (1, (15, 16), (55, 56))]
 
 
 def test_a_plain_model_loads_the_whole_prompt_and_p_keeps_it_whole():

@@ -32,9 +32,8 @@ class Read:
     """D: vLLM allocated ``local_block_ids`` to fill for the request.
 
     One list per KV cache group, in position order, ending at the loaded
-    tokens' last block; blocks D holds from its own prefix cache are left
-    out, null blocks (positions a sliding window does not keep) stay
-    (`HandoffScheduler._load_targets`).  ``awaiting`` is False for a full
+    tokens' last block; blocks D holds from its own prefix cache and null
+    blocks are left out (`HandoffScheduler._load_targets`).  ``awaiting`` is False for a full
     local prefix hit: nothing to read, the scheduler is not waiting for a
     completion.
     """

@@ -211,15 +211,17 @@ class HandoffScheduler:
         A block group's list stops at the loaded tokens' last block (a block
         allocated for a token D computes itself is not a target) and leaves
         out the blocks of a local prefix-cache hit (hashed: D holds them
-        already); null blocks stay, as placeholders of the positions a
-        sliding window does not keep.  `plan_group_reads` aligns these with
-        P's lists at their ends.  A state group's list is its slots.
+        already) and the null blocks (positions a sliding window does not
+        keep, or before a state slot): what is left are the last positions,
+        which `plan_group_reads` aligns with P's lists at their ends.  (Nulls
+        kept as placeholders would misalign a window that a local hit
+        reaches into.)  A state group's list is its slot(s).
         """
         out = []
         for g, group in zip(self.layout.groups, blocks.blocks, strict=True):
             if not g.kind.reads_state:
                 group = group[:-(-num_tokens // g.block_size)]
-            out.append([b.block_id for b in group if b.block_hash is None or b.is_null])
+            out.append([b.block_id for b in group if b.block_hash is None and not b.is_null])
         return out
 
     def build_plan(self) -> StepPlan:
