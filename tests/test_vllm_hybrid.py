@@ -16,12 +16,15 @@ whatever the prompt's length.
 from __future__ import annotations
 
 import pytest
+from conftest import wait_for
 
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
 from pd_helpers import (  # noqa: E402
+    OUT,
     abort_during_the_reads,
+    events,
     hand_off,
     prompts,
     reference,
@@ -152,6 +155,40 @@ def test_an_abort_during_the_reads_keeps_p_s_blocks_until_every_group_drained(pa
     params, _, d_evs = abort_during_the_reads(pair, prompt, LEASE_S)
     posted = next(e for e in d_evs if e.kind == "reads_posted")
     assert posted.split_groups == tuple(range(len(params["remote_block_ids"])))  # one per group
+
+
+def test_recompute_policy_decodes_locally_when_a_group_s_read_is_refused(pair, tmp_path):
+    """A D with ``kv_load_failure_policy: recompute``: a request whose state or window group
+    cannot be read is computed by D itself, with the reference's tokens; P frees once."""
+    import time
+
+    from kvhandoff.adapters.vllm.cluster import EngineHandle, free_port
+    from kvhandoff.adapters.vllm.engine_proc import EngineSpec
+
+    d = EngineHandle(EngineSpec(
+        name="D-recompute", role="decode", model_dir=pair.cfg.model_dir, control="",
+        engine_id=f"D-recompute-{time.time_ns() % 10**6}", side_channel_port=free_port(),
+        kv_load_failure_policy="recompute", enable_prefix_caching=pair.kind != "mamba2",
+        extra_config={"lease_s": LEASE_S, "log_dir": str(tmp_path / "events")}), tmp_path)
+    try:
+        d.wait_ready(timeout_s=300)
+        (prompt,) = prompts([270], seed=81)
+        (want,) = reference(pair, [prompt])
+        rid = "recompute-0"
+        params = pair.prefill([rid], [prompt])[rid]["kv_transfer_params"]
+        ids = [list(g) for g in params["remote_block_ids"]]
+        ids[0][-1] = 10**9  # group 0 (the window, or the state) names a block P does not have
+        d.add(rid, prompt, OUT, {**params, "remote_block_ids": ids})
+        out = d.wait_done([rid])[rid]
+        assert out["finish_reason"] == "length" and out["token_ids"] == want
+        p_rid = params["remote_request_id"]
+        p_evs = wait_for(lambda: (evs := events(pair, "P", p_rid))
+                         and any(e.kind == "freed" for e in evs) and evs,
+                         LEASE_S + 10, f"P to free {p_rid}", interval=0.2)
+        kinds = [e.kind for e in p_evs]
+        assert "release_notified" in kinds and kinds.count("freed") == 1
+    finally:
+        d.stop()
 
 
 def test_replay_check_of_both_logs_is_clean(pair):
