@@ -14,7 +14,8 @@ as ``kvhandoff`` through a ``PYTHONPATH`` shim.  Then, with the CI profile
 
 1. the model test alone (``tests/test_lifecycle_model.py``), and
 2. the non-vLLM suite (`SUITE`: core, model, policy, replay, messages, event
-   log, simulations, sim transport), stopping at the first failure,
+   log, simulations, sim transport, cache groups and hybrid simulations),
+   stopping at the first failure,
 
 and a table says which killed it.  Exit status 1 if any mutant survived.
 """
@@ -39,7 +40,7 @@ SUITE = (
     "tests/test_messages.py", "tests/test_event_log.py", "tests/test_lifecycle_model.py",
     "tests/test_transport_sim.py", "tests/test_simulations_hypothesis.py",
     "tests/test_simulations_cli.py", "tests/test_simulations_determinism.py",
-    "tests/test_simulations.py",
+    "tests/test_simulations.py", "tests/test_groups.py", "tests/test_simulations_hybrid.py",
 )
 MODEL_TEST = "tests/test_lifecycle_model.py"
 
@@ -111,6 +112,16 @@ MUTANTS: tuple[Mutant, ...] = (
            '                         mint_tokens=True)\n',
            '                         mint_tokens=True, release_with_reads=True)\n',
            "kvhandoff's D lets each READ carry its release, before finished_recving"),
+    # Hybrid models (issue #10): several splits per request, a window read per group.
+    Mutant("report_after_the_first_group", "core/lifecycle.py",
+           "        return None not in self.split_done\n",
+           "        return self.split_done[:1] != [None]\n",
+           "D reports a request (and lets P free) once its first split drained, other groups in flight"),
+    Mutant("window_one_block_short", "core/planning.py",
+           "        return total - max(0, num_tokens - group.window + 1) // group.block_size\n",
+           "        return total - max(0, num_tokens - group.window + 1 + group.block_size) "
+           "// group.block_size\n",
+           "a sliding-window group reads one block fewer than the last token attends to"),
 )
 
 
