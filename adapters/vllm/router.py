@@ -71,37 +71,40 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 300.0,
 
     app = FastAPI(title="kvhandoff example router", lifespan=lifespan)
 
+    async def post(name: str, base: str, path: str, body: dict,
+                   request: Request) -> httpx.Response | Response:
+        """POST to an upstream; the client's disconnect (499) or the upstream's failure (502)
+        comes back as the router's own answer."""
+        call = asyncio.ensure_future(client.post(f"{base}{path}", json=body))
+        try:
+            return await _until_disconnected(request, call)
+        except asyncio.CancelledError:
+            return Response(status_code=499)
+        except httpx.TransportError as exc:
+            return _upstream_failed(name, base, exc)
+
+    def passed_on(r: httpx.Response | Response) -> Response:
+        if isinstance(r, Response):
+            return r
+        return Response(r.content, status_code=r.status_code,
+                        media_type=r.headers.get("content-type"))
+
     async def handle(path: str, request: Request) -> Response:
         body = await request.json()
         p_body = {k: v for k, v in body.items() if k != "stream_options"} | PREFILL_ONLY
-        prefill = asyncio.ensure_future(client.post(f"{prefill_url}{path}", json=p_body))
-        try:
-            p = await _until_disconnected(request, prefill)
-        except asyncio.CancelledError:
-            return Response(status_code=499)
-        except httpx.TransportError as exc:
-            return _upstream_failed("prefill", prefill_url, exc)
-        if p.status_code != 200:
-            return Response(p.content, status_code=p.status_code,
-                            media_type=p.headers.get("content-type"))
+        p = await post("prefill", prefill_url, path, p_body, request)
+        if isinstance(p, Response) or p.status_code != 200:
+            return passed_on(p)
         d_body = body | {"kv_transfer_params": p.json().get("kv_transfer_params")}
-        if body.get("stream"):
-            try:
-                upstream = await client.send(
-                    client.build_request("POST", f"{decode_url}{path}", json=d_body), stream=True)
-            except httpx.TransportError as exc:
-                return _upstream_failed("decode", decode_url, exc)
-            return StreamingResponse(_relay(upstream), status_code=upstream.status_code,
-                                     media_type=upstream.headers.get("content-type"))
-        decode = asyncio.ensure_future(client.post(f"{decode_url}{path}", json=d_body))
+        if not body.get("stream"):
+            return passed_on(await post("decode", decode_url, path, d_body, request))
         try:
-            d = await _until_disconnected(request, decode)
-        except asyncio.CancelledError:
-            return Response(status_code=499)
+            upstream = await client.send(
+                client.build_request("POST", f"{decode_url}{path}", json=d_body), stream=True)
         except httpx.TransportError as exc:
             return _upstream_failed("decode", decode_url, exc)
-        return Response(d.content, status_code=d.status_code,
-                        media_type=d.headers.get("content-type"))
+        return StreamingResponse(_relay(upstream), status_code=upstream.status_code,
+                                 media_type=upstream.headers.get("content-type"))
 
     async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
         # Starlette stops iterating when the client disconnects; ``finally``
