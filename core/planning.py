@@ -158,6 +158,13 @@ def prefill_backoff(layout: CacheLayout) -> int:
                     for g in layout.groups) else 0
 
 
+def tokens_loaded(layout: CacheLayout, num_prompt_tokens: int) -> int:
+    """How many of a prompt's tokens D loads from P: all but `prefill_backoff`'s (all of
+    a prompt no longer than that)."""
+    backoff = prefill_backoff(layout)
+    return num_prompt_tokens - backoff if num_prompt_tokens > backoff else num_prompt_tokens
+
+
 def export_ids(layout: CacheLayout, block_ids: Sequence[Sequence[int]],
                num_tokens: int) -> tuple[tuple[int, ...], ...]:
     """P's block ids, one tuple per group, clipped to what a reader of ``num_tokens`` needs.
@@ -175,6 +182,10 @@ def export_ids(layout: CacheLayout, block_ids: Sequence[Sequence[int]],
     for g, ids in zip(layout.groups, block_ids, strict=True):
         if not g.kind.reads_state:
             ids = ids[:-(-num_tokens // g.block_size)]
+            if len(ids) < blocks_needed(g, num_tokens):
+                raise GroupMismatch(g.index, "block ids", f"at least "
+                                    f"{blocks_needed(g, num_tokens)} for {num_tokens} tokens",
+                                    len(ids))
         out.append(tuple(_read_positions(g, ids, ids, num_tokens)[0]))
     return tuple(out)
 

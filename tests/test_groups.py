@@ -333,3 +333,33 @@ def test_the_mamba2_state_pages_vllm_allocated_are_one_region_per_layer_read_one
     assert CacheLayout.from_wire(layout.to_wire()) == layout
     (read,) = plan_group_reads(layout, layout, [[1]], [[7]], 191).reads
     assert (read.remote_ids, read.local_ids, read.nbytes) == ((1,), (7,), 2 * 19840)
+
+
+# --- what P hands over and how much D loads (the connector's prefill backoff) --------
+
+
+def test_a_model_with_a_window_or_state_leaves_the_last_prompt_token_to_d():
+    from kvhandoff.core.planning import prefill_backoff, tokens_loaded
+    from tests.hybrid_layouts import gemma_layout, one_group_layout
+
+    plain = one_group_layout(["a", "b"], 64, 16, 1024)
+    gemma = gemma_layout(64, 16, 1024, window=32)
+    assert (prefill_backoff(plain), prefill_backoff(gemma), prefill_backoff(qsa_layout())) == (0, 1, 1)
+    assert (tokens_loaded(plain, 100), tokens_loaded(gemma, 100), tokens_loaded(gemma, 1)) == (100, 99, 1)
+
+
+def test_p_exports_each_group_clipped_to_what_d_reads():
+    from kvhandoff.core.planning import export_ids, export_lengths
+    from tests.hybrid_layouts import gemma_layout
+
+    gemma = gemma_layout(64, 16, 1024, window=32)
+    # 99 tokens: 7 blocks; the last token attends to tokens 68.. (blocks 4-6). A block
+    # allocated past the computed tokens (position 7) is not P's to hand over.
+    ids = ([0, 0, 0, 0, 30, 31, 9], [10, 11, 12, 13, 14, 15, 16, 17])
+    assert export_ids(gemma, ids, 99) == ((30, 31, 9), (10, 11, 12, 13, 14, 15, 16))
+    assert export_lengths(gemma, 99) == (3, 7)
+    assert export_ids(qsa_layout(), P_IDS, NUM_TOKENS)[2:4] == ((50,), (52,))  # state: its slot
+    with pytest.raises(GroupMismatch, match="block id lists"):
+        export_ids(gemma, ids[:1], 99)
+    with pytest.raises(GroupMismatch, match="cache group 1: block ids"):
+        export_ids(gemma, (ids[0], [10, 11]), 99)

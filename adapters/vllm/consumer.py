@@ -47,7 +47,12 @@ from kvhandoff.core.lifecycle import (
     Verdict,
     read_verdict_of,
 )
-from kvhandoff.core.planning import export_lengths, plan_group_reads, validate_block_ids
+from kvhandoff.core.planning import (
+    export_lengths,
+    plan_group_reads,
+    tokens_loaded,
+    validate_block_ids,
+)
 from kvhandoff.core.policy import (
     awaiting_proof,
     heartbeat_due,
@@ -295,7 +300,7 @@ class ConsumerHalf:
 
     def _geometry_problem(self, remote: RemotePrefill, peer: ProducerLink, num_prompt_tokens: int) -> str:
         """Why ``remote`` cannot be read into this D, or "" (checked before any READ)."""
-        load = num_prompt_tokens - self.backoff if num_prompt_tokens > self.backoff else num_prompt_tokens
+        load = tokens_loaded(self.layout, num_prompt_tokens)
         what = ("remote_num_tokens (D's prompt length)" if not self.backoff else
                 f"remote_num_tokens (D's prompt length - {self.backoff}: D computes the rest)")
         checks = [

@@ -46,7 +46,7 @@ from kvhandoff.adapters.vllm.params import (
     parse_remote_prefill,
 )
 from kvhandoff.core.groups import CacheLayout
-from kvhandoff.core.planning import export_ids, prefill_backoff
+from kvhandoff.core.planning import export_ids, prefill_backoff, tokens_loaded
 
 log = structlog.get_logger(__name__)
 
@@ -174,16 +174,12 @@ class HandoffScheduler:
         request.max_tokens = 1
         params["_kvhandoff_truncated"] = True
 
-    def tokens_to_load(self, num_prompt_tokens: int) -> int:
-        """D: how many prompt tokens come from P (the rest D computes)."""
-        return num_prompt_tokens - self.backoff if num_prompt_tokens > self.backoff else num_prompt_tokens
-
     @contained(_no_match)
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         track = self._d.get(request.request_id)
         if track is None or track.read_sent:
             return 0, False
-        count = self.tokens_to_load(len(request.prompt_token_ids or ())) - num_computed_tokens
+        count = tokens_loaded(self.layout, len(request.prompt_token_ids or ())) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     @contained(_fail_after_alloc)
@@ -201,7 +197,7 @@ class HandoffScheduler:
         track.awaiting = num_external_tokens > 0
         ids: list[list[int]] = []
         if track.awaiting:
-            ids = self._load_targets(blocks, self.tokens_to_load(len(request.prompt_token_ids)))
+            ids = self._load_targets(blocks, tokens_loaded(self.layout, len(request.prompt_token_ids)))
             timing.note(rid, "scheduled")
         self._plan.reads.append(Read(rid, ids, track.awaiting))
 
