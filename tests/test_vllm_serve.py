@@ -192,29 +192,33 @@ def serve_log(e: ServeProcess) -> str:
 
 # ---- clean hand-offs ---------------------------------------------------------
 
+def through_router(route: Route, prompt: str, stream: bool) -> tuple[str, list[int]]:
+    """A completion through the router: (text, token ids), streamed chunk by chunk or not."""
+    if not stream:
+        r = httpx.post(f"{route.router_url}/v1/completions", json=body(route, prompt),
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        got = r.json()["choices"][0]
+        return got["text"], got["token_ids"]
+    text, token_ids = "", []
+    with httpx.stream("POST", f"{route.router_url}/v1/completions", timeout=120,
+                      json=body(route, prompt, stream=True)) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = httpx.Response(200, content=line[6:]).json()["choices"][0]
+                text += chunk["text"]
+                token_ids += chunk.get("token_ids") or []
+    return text, token_ids
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_clean_handoffs_through_the_router_match_the_reference(route, stream):
     prompts = [text_prompt(100 + i + 10 * stream, 30 + 70 * i) for i in range(3)]
     refs = [reference(route, p) for p in prompts]
     assert len({tuple(r["token_ids"]) for r in refs}) == len(refs), "the model ignores its prompt"
     for prompt, ref in zip(prompts, refs, strict=True):
-        if stream:
-            text, token_ids = "", []
-            with httpx.stream("POST", f"{route.router_url}/v1/completions", timeout=120,
-                              json=body(route, prompt, stream=True)) as r:
-                assert r.status_code == 200
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        chunk = httpx.Response(200, content=line[6:]).json()["choices"][0]
-                        text += chunk["text"]
-                        token_ids += chunk.get("token_ids") or []
-            assert text == ref["text"] and token_ids == ref["token_ids"]
-        else:
-            r = httpx.post(f"{route.router_url}/v1/completions", json=body(route, prompt),
-                           timeout=120)
-            assert r.status_code == 200, r.text
-            got = r.json()["choices"][0]
-            assert got["text"] == ref["text"] and got["token_ids"] == ref["token_ids"]
+        assert through_router(route, prompt, stream) == (ref["text"], ref["token_ids"])
     # The logs on disk (written while serving) show each hand-off: read, released, freed once.
     exported = [e.request_id for e in events(route.p_log) if e.kind == "exported"]
     for rid in exported[-3:]:

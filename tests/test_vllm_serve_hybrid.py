@@ -32,6 +32,7 @@ from test_vllm_serve import (  # noqa: E402
     reference,
     serve_log,
     text_prompt,
+    through_router,
     wait_event,
 )
 
@@ -60,18 +61,7 @@ def test_hand_offs_through_the_router_match_a_plain_engine(route, stream):
     refs = [reference(route, p) for p in prompts]
     assert len({tuple(r["token_ids"]) for r in refs}) == len(refs), "the model ignores its prompt"
     for prompt, ref in zip(prompts, refs, strict=True):
-        r = httpx.post(f"{route.router_url}/v1/completions", timeout=120,
-                       json=body(route, prompt, stream=stream))
-        assert r.status_code == 200, r.text
-        if stream:
-            chunks = [httpx.Response(200, content=line[6:]).json()["choices"][0]
-                      for line in r.text.splitlines() if line.startswith("data: {")]
-            text = "".join(c["text"] for c in chunks)
-            token_ids = [t for c in chunks for t in c.get("token_ids") or []]
-        else:
-            got = r.json()["choices"][0]
-            text, token_ids = got["text"], got["token_ids"]
-        assert (text, token_ids) == (ref["text"], ref["token_ids"])
+        assert through_router(route, prompt, stream) == (ref["text"], ref["token_ids"])
     exported = [e.request_id for e in events(route.p_log) if e.kind == "exported"]
     for rid in exported[-3:]:
         d_evs = wait_event(route.d_log, rid, "release_sent")
