@@ -154,7 +154,31 @@ class Replay:
 
 
 def describe(event: Event) -> str:
+    """``engine/SIDErank#seq kind request``: a violation's ``event``, as the log wrote it.
+
+    Kept exact (``--json`` carries it as it is); the text output passes it
+    through `printable`, like every other string that came from a log.
+    """
     return f"{event.stream}#{event.seq} {event.kind} {event.request_id}"
+
+
+def printable(text: object) -> str:
+    """``text`` safe for a terminal line: unchanged unless it holds a backslash or a
+    character that is not printable.
+
+    Request ids, engine ids, reasons and tokens come from event fields, and
+    clients write some of them (``remote_request_id``).  Each such character
+    is written as Python's ``repr`` writes it (``\\n``, ``\\r``, ``\\x1b``,
+    ``\\x85``, ``\\u2028``, ``\\\\``), so no newline, carriage return, escape
+    sequence or other C0/C1 control, Unicode line or paragraph separator or
+    format character reaches the terminal raw, one event stays one line, and
+    the escaped text still names exactly one string.  Ordinary ids (printable,
+    no backslash) print unchanged, non-ASCII letters included.
+    """
+    s = str(text)
+    if s.isprintable() and "\\" not in s:
+        return s
+    return "".join(c if c.isprintable() and c != "\\" else repr(c)[1:-1] for c in s)
 
 
 def state_hash(state: LifecycleState) -> str:
@@ -280,14 +304,16 @@ def _check_leaks(result: Replay, last_t: dict) -> None:
 
 
 def render_timeline(timeline: Iterable[tuple[Event, str]]) -> str:
-    """Human-readable per-request timeline."""
+    """Human-readable per-request timeline: one line per event, every string from the
+    log passed through `printable`."""
     lines: list[str] = []
     rows = sorted(timeline, key=lambda row: (row[0].request_id, row[0].t))
     for rid, group in groupby(rows, key=lambda row: row[0].request_id):
-        lines.append(f"request {rid}")
+        lines.append(f"request {printable(rid)}")
         for event, state in group:
-            extras = " ".join(f"{name}={getattr(event, name)}"
+            extras = " ".join(f"{name}={printable(getattr(event, name))}"
                               for name, _ in EXTRA_FIELDS[event.kind])
-            lines.append(f"  t={event.t:<12.6f} {str(event.stream):<16} {event.kind:<18} "
-                         f"-> {state:<17} {extras}".rstrip())
+            lines.append(f"  t={event.t:<12.6f} {printable(event.stream):<16} "
+                         f"{printable(event.kind):<18} -> {printable(state):<17} "
+                         f"{extras}".rstrip())
     return "\n".join(lines)

@@ -21,17 +21,19 @@ from kvhandoff.core.events import (
     LeaseExpired,
     PrefillStarted,
     ReadsPosted,
+    Rejected,
     ReleaseNotified,
     ReleaseSent,
     Side,
     SplitCompleted,
+    SplitFailed,
     Stream,
     Validated,
 )
 from kvhandoff.core.ledger import Ledger
 from kvhandoff.core.lifecycle import DState, LifecycleState, PState, fold
 from kvhandoff.core.log import LogWriter, read_logs
-from kvhandoff.core.replay import state_hash
+from kvhandoff.core.replay import printable, state_hash
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LEASE = 10.0
@@ -238,6 +240,108 @@ def test_corrupt_log_names_file_and_line(tmp_path, capsys):
     path.write_bytes(b'{"v":1,"type":"exported"}\n')
     assert main(["replay", str(path)]) == 2
     assert f"{path}:1: field 'rid' must be str" in capsys.readouterr().err
+
+
+FORGED = '{"v":1}'
+# What a client (remote_request_id, through P's params) or a peer can put in an event field.
+HOSTILE_NAMES = {
+    "rids": (f"x\n{FORGED}", "a\x1b[2J\x1b[31mb", "c\rVIOLATION none", "e\u2028f\u2029g\x85h"),
+    "reason": f"bad\n{FORGED}: request z\x1b]0;title\x07",
+    "p_engine": "prefill\x1b[0m-0",
+    "d_engine": "decode\r-0",
+    "absent_engine": f"gone\n{FORGED}\u2028",
+}
+PLAIN_NAMES = {"rids": ("req-1", "req-2", "req-3", "req-4"), "reason": "bad params",
+               "p_engine": "prefill-0", "d_engine": "decode-0", "absent_engine": "prefill-9"}
+
+
+def _logs_naming(tmp_path, names) -> list[str]:
+    """P and D logs whose every kind of string field carries ``names``: a clean hand-off,
+    a heartbeat gap, a double free, a rejection and a failed split whose reasons are
+    ``names["reason"]``, and a request read from a P whose log is absent."""
+    r0, r1, r2, r3 = names["rids"]
+    p_engine, d_engine = names["p_engine"], names["d_engine"]
+    tmp_path.mkdir(exist_ok=True)
+    paths = [str(tmp_path / "p.jsonl"), str(tmp_path / "d.jsonl")]
+    with LogWriter(paths[0]) as p_log, LogWriter(paths[1]) as d_log:
+        P = Ledger(Stream(p_engine, Side.P, 0), LifecycleState(), p_log)
+        D = Ledger(Stream(d_engine, Side.D, 0), LifecycleState(), d_log)
+        for i, rid in enumerate((r0, r1, r3)):
+            t = 1.0 + i
+            P.record(PrefillStarted, rid, t)
+            P.record(Exported, rid, t, lease_s=LEASE, consumer_ranks=(0,), num_blocks=2)
+            D.record(Admitted, rid, t + 0.1, remote_engine=p_engine, remote_ranks=(0,),
+                     num_blocks=2, lease_s=LEASE, lease_margin_s=0.5, local_request_id=rid)
+            D.record(Validated, rid, t + 0.1)
+            D.record(HeartbeatSent, rid, t + 0.1)
+            P.record(HeartbeatReceived, rid, t + 0.2, from_engine=d_engine)
+            D.record(LeaseAcknowledged, rid, t + 0.3, p_rank=0, sent_at=t + 0.1, time_left=9.9)
+            D.record(ReadsPosted, rid, t + 0.3, split_ranks=(0,))
+        D.record(SplitCompleted, r0, 5.0, split=0)
+        D.record(FinishedRecving, r0, 5.0)
+        D.record(ReleaseSent, r0, 5.0)
+        P.record(ReleaseNotified, r0, 5.01, from_engine=d_engine, consumer_rank=0)
+        P.record(Freed, r0, 5.02)
+        D.record(ClientCancelled, r1, 5.0)
+        D.record(SplitCompleted, r1, 14.0, split=0)  # no heartbeat since t=2.1: a gap
+        D.record(SplitFailed, r3, 5.0, split=0, reason=names["reason"])
+        D.record(Admitted, r2, 6.0, remote_engine=names["absent_engine"], remote_ranks=(0,),
+                 num_blocks=2, lease_s=LEASE, lease_margin_s=0.5, local_request_id=r2)
+        D.record(Rejected, r2, 6.0, reason=names["reason"])
+        seq = P.state.stream(P.stream).last_seq + 1
+    with open(paths[0], "ab") as f:  # a buggy P frees r0 again
+        f.write(orjson.dumps({"v": 1, "type": "freed", "rid": r0, "engine": p_engine,
+                              "side": "P", "rank": 0, "seq": seq, "t": 6.0}) + b"\n")
+    return paths
+
+
+def test_text_output_escapes_what_clients_wrote_and_json_keeps_it_exact(tmp_path, capsys):
+    """A remote_request_id of 'x\\n{"v":1}' must not forge a line (issue #13): every string
+    from an event field is escaped in the text output, one event stays one line, and no
+    control character reaches the terminal raw; --json carries the strings exactly."""
+    outputs = {}
+    for label, names in (("plain", PLAIN_NAMES), ("hostile", HOSTILE_NAMES)):
+        paths = _logs_naming(tmp_path / label, names)  # the hostile ones stay in ``paths``
+        assert main(["replay", *paths, "--check", "--partial"]) == 1
+        outputs[label] = capsys.readouterr()
+    plain, hostile = outputs["plain"], outputs["hostile"]
+    assert "VIOLATION double_free" in plain.out and "heartbeat_gap" in plain.out
+    assert "WARNING" in plain.out and "first: double_free" in plain.err
+    for stream in ("out", "err"):
+        seen, expected = getattr(hostile, stream), getattr(plain, stream)
+        # splitlines also splits at \r, \x85, U+2028/2029 and other separators
+        assert len(seen.splitlines()) == len(expected.splitlines()) > 0
+        assert seen.count("\n") == expected.count("\n")
+        assert all(c.isprintable() for c in seen.replace("\n", ""))
+        for raw in ("\x1b", "\r", "\x07", "\x85", "\u2028", "\u2029"):
+            assert raw not in seen, (stream, raw)
+        for line in seen.splitlines():
+            assert not line.lstrip().startswith(FORGED), line
+            assert not line.startswith("VIOLATION none")
+    # Each string is still shown, escaped, in every place it appears.
+    assert "request x\\n" + FORGED in hostile.out
+    assert "x\\n" + FORGED in hostile.err  # --check names the first violation
+    assert "reason=bad\\n" + FORGED + ": request z\\x1b]0;title\\x07" in hostile.out
+    assert "prefill\\x1b[0m-0/P0" in hostile.out and "decode\\r-0/D0" in hostile.out
+    assert "gone\\n" + FORGED + "\\u2028" in hostile.out
+    assert "e\\u2028f\\u2029g\\x85h" in hostile.out
+
+    code, out = _json(capsys, *paths, "--check")
+    assert code == 1
+    assert out["missing_producers"] == [HOSTILE_NAMES["absent_engine"]]
+    events = {v["invariant"]: v["event"] for v in out["violations"]}
+    r0, r1 = HOSTILE_NAMES["rids"][:2]
+    assert events["double_free"].startswith(HOSTILE_NAMES["p_engine"] + "/P0#")
+    assert events["double_free"].endswith(f" freed {r0}")
+    assert events["heartbeat_gap"].startswith(HOSTILE_NAMES["d_engine"] + "/D0#")
+    assert events["heartbeat_gap"].endswith(f" split_completed {r1}")
+
+
+def test_ordinary_ids_print_unchanged():
+    for s in ("req-1", "cmpl-8f3a_0", "prefill-0/P0", "état 日本", "", "a b"):
+        assert printable(s) == s
+    assert printable("a\\b") == "a\\\\b"  # a backslash is escaped: the text names one string
+    assert printable("x\ny\u2028\x9b\x7f\u202e") == "x\\ny\\u2028\\x9b\\x7f\\u202e"
 
 
 @pytest.mark.parametrize("side", ["P", "D"])

@@ -1,4 +1,11 @@
-"""`kvhandoff replay LOG [LOG ...] [--request ID] [--until SEQ] [--check] [--partial] [--json]`."""
+"""`kvhandoff replay LOG [LOG ...] [--request ID] [--until SEQ] [--check] [--partial] [--json]`.
+
+The text output passes every string that came from a log (request and engine
+ids, reasons, a violation's event and detail, a corrupt log's message) through
+`printable`: clients write some of them, and one event must stay one line with
+no control character reaching the terminal.  ``--json`` carries them exactly
+(JSON escapes them).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +15,7 @@ import orjson
 
 from kvhandoff.core.errors import LogCorrupt
 from kvhandoff.core.log import read_logs
-from kvhandoff.core.replay import render_timeline, replay
+from kvhandoff.core.replay import printable, render_timeline, replay
 
 
 def add_parser(sub) -> None:
@@ -28,33 +35,36 @@ def run(args) -> int:
     try:
         events = read_logs(args.logs)
     except (LogCorrupt, OSError) as e:
-        print(f"kvhandoff replay: {e}", file=sys.stderr)
+        print(f"kvhandoff replay: {printable(e)}", file=sys.stderr)
         return 2
     result = replay(events, request=args.request, until=args.until, keep_timeline=not args.json)
     summary = result.summary()
     missing = summary["missing_producers"]
+    shown_missing = ", ".join(printable(engine) for engine in missing)
     summary["partial"] = bool(args.partial)
     if args.json:
         sys.stdout.write(orjson.dumps(summary).decode() + "\n")
     else:
         print(render_timeline(result.timeline))
         print(f"\n{summary['events']} events, {summary['requests']} requests, "
-              f"states {summary['states']}, ignored notifications "
+              f"states {printable(summary['states'])}, ignored notifications "
               f"{summary['ignored_notifications']}, freed under read "
               f"{summary['freed_under_read']}, state hash {summary['state_hash']}")
         for v in result.violations:
-            print(f"VIOLATION {v.invariant}: {v.event}: {v.detail}")
+            print(f"VIOLATION {printable(v.invariant)}: {printable(v.event)}: "
+                  f"{printable(v.detail)}")
         if missing:
-            print(f"WARNING: D's requests read from P engine(s) {', '.join(missing)} whose log "
+            print(f"WARNING: D's requests read from P engine(s) {shown_missing} whose log "
                   f"was not given: the cross-engine checks (served_freed, freed_under_read) "
                   f"did not see their side")
     if args.check and missing and not args.partial:
-        print(f"kvhandoff replay --check: no log of P engine(s) {', '.join(missing)}; pass "
+        print(f"kvhandoff replay --check: no log of P engine(s) {shown_missing}; pass "
               f"them too, or --partial to check D's side alone", file=sys.stderr)
         return 1
     if args.check and result.violations:
         first = result.violations[0]
         print(f"kvhandoff replay --check: {len(result.violations)} violation(s); first: "
-              f"{first.invariant} at {first.event}: {first.detail}", file=sys.stderr)
+              f"{printable(first.invariant)} at {printable(first.event)}: "
+              f"{printable(first.detail)}", file=sys.stderr)
         return 1
     return 0
