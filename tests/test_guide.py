@@ -1,0 +1,149 @@
+"""What the docs print runs as printed.
+
+* The operator guide's CPU recipe (the fenced bash block after the marker
+  ``<!-- test: cpu-recipe -->`` in docs/operator-guide.md) is run with
+  ``bash`` from the repository's root, with ``KVH_DIR`` pointing into the
+  test's temporary directory: two ``vllm serve`` engines, the example router
+  and one completion through it.  The answer must be a completion (HTTP 200,
+  non-empty text) and the event logs must show that the KV went from P to D
+  (P ``exported`` and ``freed`` it once, D ``finished_recving``) and replay
+  clean.  The recipe's ports are fixed (a user copies them): the test checks
+  they are free first and fails naming them otherwise.
+* ``kvhandoff demo --http --json`` as the README prints it: the demo through
+  two ``vllm serve`` engines and the router, its JSON object checked.
+
+Both start real engines (about a minute each test on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from conftest import wait_for
+
+pytest.importorskip("vllm")
+pytest.importorskip("nixl")
+
+from kvhandoff.core.log import read_log  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+GUIDE = ROOT / "docs" / "operator-guide.md"
+README = ROOT / "README.md"
+MARKER = "<!-- test: cpu-recipe -->"
+pytestmark = pytest.mark.timeout(900)
+
+
+def recipe() -> str:
+    """The fenced bash block right after the marker, as printed."""
+    text = GUIDE.read_text()
+    assert text.count(MARKER) == 1, f"{GUIDE.name}: expected the marker {MARKER!r} once"
+    m = re.match(r"\s*```bash\n(.*?)\n```\n", text.split(MARKER, 1)[1], re.S)
+    assert m, f"{GUIDE.name}: no ```bash block right after {MARKER!r}"
+    return m.group(1) + "\n"
+
+
+def recipe_ports(block: str) -> list[int]:
+    ports = re.findall(r"--port (\d+)", block) + re.findall(r'"side_channel_port": (\d+)', block)
+    return sorted({int(p) for p in ports})
+
+
+def assert_ports_free(ports: list[int]) -> None:
+    busy = []
+    for port in ports:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                busy.append(port)
+    if busy:
+        pytest.fail(f"the CPU recipe uses fixed ports {ports}; {busy} already in use on this "
+                    f"host (another recipe or server running?): stop what listens there")
+
+
+def kill_group(pgid: int) -> None:
+    """SIGTERM to every process the recipe started (its process group), then SIGKILL."""
+    def gone() -> bool:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    for sig, patience in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
+        if gone():
+            return
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            wait_for(gone, patience, f"the recipe's processes to exit after {sig.name}", 0.2)
+            return
+        except AssertionError:
+            if sig is signal.SIGKILL:
+                raise
+
+
+def tail(path: Path, chars: int = 3000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else f"({path} missing)"
+
+
+def test_the_guide_sends_readers_nowhere_outside_the_repository():
+    text = GUIDE.read_text()
+    assert "../shared" not in text and "FIELD_NOTES" not in text
+
+
+def test_the_cpu_recipe_runs_as_printed(tmp_path):
+    block = recipe()
+    assert "--host 127.0.0.1" in block and "VLLM_CPU_OMP_THREADS_BIND=0 " in block
+    ports = recipe_ports(block)
+    assert {8000, 8100, 8200, 5600} <= set(ports), ports
+    assert_ports_free(ports)
+    kvh = tmp_path / "kvh"
+    out, err = tmp_path / "recipe.stdout", tmp_path / "recipe.stderr"
+    env = {**os.environ, "KVH_DIR": str(kvh)}
+    with open(out, "wb") as o, open(err, "wb") as e:
+        proc = subprocess.Popen(["bash", "-c", block], cwd=ROOT, env=env, stdout=o, stderr=e,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        try:
+            rc = proc.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the recipe did not finish within 600 s; P: " + tail(kvh / "P.log")
+                        + "\nD: " + tail(kvh / "D.log"))
+        logs = "".join(f"\n--- {n}:\n{tail(kvh / n)}" for n in ("P.log", "D.log", "router.log"))
+        lines = out.read_text().strip().splitlines()
+        assert rc == 0 and lines and lines[-1] == "HTTP 200", (
+            f"rc={rc} stdout={lines[-5:]} stderr={tail(err)}{logs}")
+        completion = json.loads(lines[-2])
+        (choice,) = completion["choices"]
+        assert choice["text"].strip(), completion
+        assert completion["usage"]["completion_tokens"] > 0, completion
+
+        # The KV really went P -> D: one exported request, read by D, freed once by P.
+        p_log, d_log = kvh / "events" / "prefill-0.P0.jsonl", kvh / "events" / "decode-0.D0.jsonl"
+        exported = [e.request_id for e in read_log(p_log) if e.kind == "exported"]
+        assert len(exported) == 1, exported
+        rid = exported[0]
+        d_kinds = [e.kind for e in read_log(d_log) if e.request_id == rid]
+        assert "reads_posted" in d_kinds and "finished_recving" in d_kinds, d_kinds
+
+        def freed():
+            return Counter(e.kind for e in read_log(p_log) if e.request_id == rid)["freed"]
+        wait_for(freed, 30, f"P to free {rid}")
+        assert freed() == 1
+        check = subprocess.run([sys.executable, "-m", "kvhandoff.adapters.cli", "replay",
+                                "--check", str(p_log), str(d_log)],
+                               capture_output=True, text=True, timeout=120)
+        assert check.returncode == 0, check.stdout + check.stderr
+    finally:
+        kill_group(proc.pid)
