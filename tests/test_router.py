@@ -75,12 +75,16 @@ def closed_port_url() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
-def complete(prefill_url: str, decode_url: str, body: dict) -> httpx.Response:
+def complete(prefill_url: str, decode_url: str, body: object,
+             path: str = "/v1/completions") -> httpx.Response:
     async def go() -> httpx.Response:
         app = build_app(prefill_url, decode_url, timeout_s=10)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://router") as client:
-            return await client.post("/v1/completions", json=body)
+            if isinstance(body, bytes):
+                return await client.post(path, content=body,
+                                         headers={"content-type": "application/json"})
+            return await client.post(path, json=body)
 
     return asyncio.run(go())
 
@@ -107,6 +111,53 @@ def test_an_upstream_that_fails_is_a_502_naming_it(upstreams, failing, how, stre
     error = r.json()["error"]
     assert (error["type"], error["upstream"], error["url"]) == ("upstream_failed", failing, bad)
     assert error["reason"].split(":")[0] in {"ConnectError", "RemoteProtocolError", "ReadError"}
+
+
+# (path, what the client adds to a plain request, the field the 400 names, words it says)
+NOT_ONE_HAND_OFF = {
+    "two_text_prompts": ("/v1/completions", {"prompt": ["a", "b"]}, "prompt",
+                         "single string or a single list of token ids"),
+    "two_token_prompts": ("/v1/completions", {"prompt": [[1, 2], [3]]}, "prompt",
+                          "batch of 2 prompts"),
+    "two_embeds": ("/v1/completions", {"prompt_embeds": ["AAAA", "AAAA"]}, "prompt_embeds",
+                   "batch of 2"),
+    "n_completions": ("/v1/completions", {"n": 2}, "n", "`n` must be 1"),
+    "n_chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3},
+               "n", "`n` must be 1"),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("case", sorted(NOT_ONE_HAND_OFF))
+def test_a_request_that_is_not_one_hand_off_is_a_400_before_any_upstream_call(
+        upstreams, case, stream):
+    """P answers one kv_transfer_params and D takes each once: a batch or n > 1 was a bare
+    500 (D refused the second sub-request as reused params); now it is refused up front."""
+    path, extra, field, words = NOT_ONE_HAND_OFF[case]
+    p, d = upstreams("prefill"), upstreams("echo")
+    r = complete(p.url, d.url, {"model": "m", "prompt": "hi", "max_tokens": 7, "stream": stream}
+                 | extra, path=path)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == field and error["code"] == 400
+    assert words in error["message"] and "one request hands off one KV cache" in error["message"]
+    assert p.bodies == [] and d.bodies == []  # neither P nor D saw it
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b'"hi"'])
+def test_a_body_that_is_not_a_json_object_is_a_400_before_any_upstream_call(upstreams, body):
+    p, d = upstreams("prefill"), upstreams("echo")
+    r = complete(p.url, d.url, body)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    assert p.bodies == [] and d.bodies == []
+
+
+@pytest.mark.parametrize("prompt", [[5, 6, 7], ["hi"], [[5, 6, 7]]])
+def test_one_prompt_in_any_of_its_shapes_is_handed_off(upstreams, prompt):
+    p, d = upstreams("prefill"), upstreams("echo")
+    r = complete(p.url, d.url, {"model": "m", "prompt": prompt, "max_tokens": 7, "n": 1})
+    assert r.status_code == 200
+    assert p.bodies[0]["prompt"] == prompt and r.json()["kv_transfer_params"] == PARAMS
 
 
 def test_the_router_lets_idle_connections_go_before_vllms_server_does():

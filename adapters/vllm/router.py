@@ -25,6 +25,13 @@ Two details a router of your own needs too:
   already have started the prefill.
 * An upstream that cannot be reached or hangs up answers the client ``502``
   with a JSON body naming the upstream and the error, never a bare ``500``.
+* One request hands off one KV cache: P answers one ``kv_transfer_params``
+  and D accepts each only once.  A batched ``prompt`` (a list of strings or
+  of token-id lists, or several ``prompt_embeds``) or ``n`` > 1 (vLLM runs
+  ``n`` child requests with the same parameters) would fail on D, so the
+  router answers ``400`` with a JSON body naming the field before calling
+  P or D (`one_hand_off_problem`).  So does a body that is not a JSON object.
+  (``best_of`` is no field of vLLM 0.32's completion requests: it is ignored.)
 """
 
 from __future__ import annotations
@@ -53,6 +60,39 @@ async def _until_disconnected(request: Request, work: asyncio.Task) -> Any:
             break
         await asyncio.wait({work}, timeout=0.05)
     return await work
+
+
+def one_hand_off_problem(body: Any) -> tuple[str, str] | None:
+    """(field, why) when ``body`` is not one prompt and one sequence, else None.
+
+    Only what would break the hand-off is refused; everything else (a missing
+    prompt, a wrong type) is left to vLLM, which answers it itself.
+    """
+    if not isinstance(body, dict):
+        return "", f"the request body must be a JSON object, found {type(body).__name__}"
+    prompt = body.get("prompt")
+    if (isinstance(prompt, list) and len(prompt) > 1
+            and any(isinstance(p, str | list) for p in prompt)):
+        return "prompt", (f"`prompt` must be a single string or a single list of token ids, "
+                          f"found a batch of {len(prompt)} prompts: one request hands off one "
+                          f"KV cache (send one request per prompt)")
+    embeds = body.get("prompt_embeds")
+    if isinstance(embeds, list) and len(embeds) > 1:
+        return "prompt_embeds", (f"`prompt_embeds` must be a single prompt, found a batch of "
+                                 f"{len(embeds)}: one request hands off one KV cache (send one "
+                                 f"request per prompt)")
+    n = body.get("n")
+    if isinstance(n, int | float) and not isinstance(n, bool) and n > 1:
+        return "n", (f"`n` must be 1, found {n!r}: one request hands off one KV cache, and D "
+                     f"would run {n!r} sequences on one prefill's parameters, which D accepts "
+                     f"once (send {n!r} requests)")
+    return None
+
+
+def _bad_request(param: str, message: str) -> Response:
+    # The shape of vLLM's own errors, so a client reads the router's the same way.
+    return JSONResponse({"error": {"type": "BadRequestError", "message": message,
+                                   "param": param or None, "code": 400}}, status_code=400)
 
 
 def _upstream_failed(name: str, url: str, exc: httpx.TransportError) -> Response:
@@ -90,7 +130,13 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 300.0,
                         media_type=r.headers.get("content-type"))
 
     async def handle(path: str, request: Request) -> Response:
-        body = await request.json()
+        try:
+            body = await request.json()
+        except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError
+            return _bad_request("", f"the request body is not JSON ({exc})")
+        problem = one_hand_off_problem(body)
+        if problem is not None:
+            return _bad_request(*problem)
         p_body = {k: v for k, v in body.items() if k != "stream_options"} | PREFILL_ONLY
         p = await post("prefill", prefill_url, path, p_body, request)
         if isinstance(p, Response) or p.status_code != 200:
