@@ -58,6 +58,9 @@ def test_params_round_trip():
     (lambda p: p.update(protocol="nixl/14"), "protocol"),
     (lambda p: p.update(release_token=7), "release_token"),
     (lambda p: p.update(cache_layout_version=2), r"cache_layout_version'\]: expected 1, found 2"),
+    (lambda p: p.pop("cache_layout_version"), "missing field 'cache_layout_version'"),
+    (lambda p: p.update(cache_layout_version=True), r"cache_layout_version'\]: expected int"),
+    (lambda p: p.update(cache_layout_version="1"), r"cache_layout_version'\]: expected int"),
 ])
 def test_malformed_params_name_the_field(mutate, field):
     p = GOOD.to_wire()

@@ -96,8 +96,10 @@ def parse_remote_prefill(params: Any, max_block_id: int = 1 << 31) -> RemotePref
         # Bounded: D remembers a request two leases after it ends (single-use).
         raise MalformedTransferParams(
             f"kv_transfer_params['lease_s']: expected a number in (0, {MAX_LEASE_S:g}], found {lease!r}")
-    version = params.get("cache_layout_version", LAYOUT_VERSION)
-    if version != LAYOUT_VERSION or isinstance(version, bool):
+    # Required: every P of this protocol sends it (``to_wire``, the scheduler's
+    # request_finished); params without it were not written by one.
+    version = _get(params, "cache_layout_version", int)
+    if version != LAYOUT_VERSION:
         raise MalformedTransferParams(
             f"kv_transfer_params['cache_layout_version']: expected {LAYOUT_VERSION}, found "
             f"{version!r} (P and D run different kvhandoff versions)")
