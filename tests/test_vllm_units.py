@@ -385,10 +385,42 @@ def test_trusted_producers(entries, host, port, allowed):
 
 
 @pytest.mark.parametrize("bad", [[], "127.0.0.1", [3], ["x:99999"], ["a/b"], ["[::1]x"], ["::1"],
-                                 ["[::1]:7"], ["fe80::/10"], ["fe80::1%eth0"]])
+                                 ["[::1]:7"], ["fe80::/10"], ["fe80::1%eth0"], ["p0;p1"],
+                                 ["p0.example,p1.example"], ["p0..example"]])
 def test_bad_trusted_producers_refused_at_start(bad):
     with pytest.raises(ConnectorConfigError, match="trusted_producers"):
         HandoffConfig.from_extra({"trusted_producers": bad}, env={})
+
+
+def test_trusted_producers_from_the_environment_replace_the_default():
+    from kvhandoff.adapters.vllm.trust import TrustedProducers
+
+    env = {"KVHANDOFF_TRUSTED_PRODUCERS": "10.0.0.11:5600, p0.example:5601,10.0.1.0/24"}
+    t = TrustedProducers(HandoffConfig.from_extra({}, env=env).trusted_producers)
+    for host, port, allowed in [("10.0.0.11", 5600, True), ("10.0.0.11", 5601, False),
+                                ("p0.example", 5601, True), ("p0.example", 5600, False),
+                                ("10.0.1.7", 9, True), ("10.0.2.7", 5600, False),
+                                ("127.0.0.1", 5600, False)]:  # not loopback any more
+        assert t.allows(host, port) is allowed, (host, port)
+
+
+def test_the_extra_config_wins_over_the_environment():
+    from kvhandoff.adapters.vllm.trust import TrustedProducers
+
+    for value in ("10.0.0.11:5600", "not a host"):  # the variable is not even read
+        cfg = HandoffConfig.from_extra({"trusted_producers": ["10.0.0.12:5600"]},
+                                       env={"KVHANDOFF_TRUSTED_PRODUCERS": value})
+        t = TrustedProducers(cfg.trusted_producers)
+        assert t.allows("10.0.0.12", 5600) and not t.allows("10.0.0.11", 5600)
+
+
+@pytest.mark.parametrize("bad", ["", " ", "10.0.0.11:70000", "10.0.0.11,,10.0.0.12", "10.0.0.11,",
+                                 "::1", "10.0.0.11,fe80::1%eth0", "10.0.0.0/24:x", "a b",
+                                 "10.0.0.11;10.0.0.12"])
+def test_bad_trusted_producers_in_the_environment_refused_at_start(bad):
+    with pytest.raises(ConnectorConfigError,
+                       match="environment variable KVHANDOFF_TRUSTED_PRODUCERS: expected "):
+        HandoffConfig.from_extra({}, env={"KVHANDOFF_TRUSTED_PRODUCERS": bad})
 
 
 class _RefusingList(list):

@@ -20,7 +20,12 @@ with `ConnectorConfigError`, never discovered mid-request.
 | producer_tp_size       | 0 (unchecked)       | D: P's TP size; a mismatch is refused at start-up     |
 | debug_read_delay_s     | 0.0                 | tests only: hold each READ's completion this long    |
 | debug_read_delay_param | false               | tests/demo only: honour a request's ``kvhandoff_debug_read_delay_s`` |
-| trusted_producers      | loopback only       | D: producers D may connect to (HOST[:PORT] or CIDR[:PORT] entries) |
+| trusted_producers      | $KVHANDOFF_TRUSTED_PRODUCERS or loopback only | D: producers D may connect to (HOST[:PORT] or CIDR[:PORT] entries; the variable: comma-separated) |
+
+``KVHANDOFF_TRUSTED_PRODUCERS`` (e.g. ``10.0.0.11:5600,10.0.1.0/24:5600``) is
+read only when the extra config sets no ``trusted_producers``: the extra
+config wins.  A bad entry in it (or an empty value) is refused at start-up
+with `ConnectorConfigError` naming the variable.
 """
 
 from __future__ import annotations
@@ -34,9 +39,10 @@ from typing import Any
 class ConnectorConfigError(ValueError):
     """A ``kv_connector_extra_config`` value that cannot be used; names key, expected, found."""
 
-    def __init__(self, key: str, expected: str, found: object) -> None:
+    def __init__(self, key: str, expected: str, found: object, *, source: str = "") -> None:
         self.key, self.expected, self.found = key, expected, found
-        super().__init__(f"kv_connector_extra_config[{key!r}]: expected {expected}, found {found!r}")
+        where = source or f"kv_connector_extra_config[{key!r}]"  # source: an environment variable
+        super().__init__(f"{where}: expected {expected}, found {found!r}")
 
 
 class UnsupportedTopology(RuntimeError):
@@ -45,6 +51,7 @@ class UnsupportedTopology(RuntimeError):
 
 FAILURE_POLICIES = ("fail", "recompute")
 LOOPBACK_PRODUCERS = ("127.0.0.0/8", "localhost")
+TRUSTED_PRODUCERS_ENV = "KVHANDOFF_TRUSTED_PRODUCERS"  # comma-separated; the extra config wins
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +144,27 @@ class HandoffConfig:
             from kvhandoff.adapters.vllm.trust import TrustedProducers
 
             TrustedProducers(values["trusted_producers"])  # refuse bad entries at start-up
+        elif TRUSTED_PRODUCERS_ENV in env:
+            values["trusted_producers"] = _trusted_producers_from_env(env[TRUSTED_PRODUCERS_ENV])
         if not values.get("log_dir"):
             values["log_dir"] = tempfile.mkdtemp(prefix="kvhandoff-events-")
         return cls(**values)
+
+
+def _trusted_producers_from_env(raw: str) -> tuple[str, ...]:
+    """``$KVHANDOFF_TRUSTED_PRODUCERS``: comma-separated entries of the list's syntax,
+    checked as the list is (bad entries refused at start-up, naming the variable)."""
+    from kvhandoff.adapters.vllm.trust import TrustedProducers
+
+    source = f"environment variable {TRUSTED_PRODUCERS_ENV}"
+    entries = tuple(entry.strip() for entry in raw.split(","))
+    if not all(entries):
+        raise ConnectorConfigError(
+            "trusted_producers", "comma-separated HOST[:PORT] or CIDR[:PORT] entries, none "
+            "empty (unset it for loopback only)", raw, source=source)
+    try:
+        TrustedProducers(entries)
+    except ConnectorConfigError as exc:
+        raise ConnectorConfigError("trusted_producers", f"comma-separated entries, each "
+                                   f"{exc.expected}", exc.found, source=source) from None
+    return entries

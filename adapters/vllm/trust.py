@@ -8,7 +8,8 @@ written and ``remote_port + rank`` (D's rank *r* dials P's rank *r*).
 
 An entry is ``HOST``, ``HOST:PORT``, ``CIDR`` or ``CIDR:PORT`` (IPv4); an
 entry without a port trusts every port, i.e. every process on those hosts.
-Host names match only the same name written in ``remote_host`` (no DNS
+A host name (dot-separated labels of letters, digits, ``-`` and ``_``)
+matches only the same name written in ``remote_host`` (no DNS
 lookup here: the name is resolved when D dials, so a name entry trusts DNS
 at dial time).  An IP address must be written canonically; IPv6 (and scope
 ids) are refused: the side channel dials ``tcp://HOST:PORT`` (IPv4 or a
@@ -20,12 +21,16 @@ handshake is loaded as is.  The default allows loopback only
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass
 
 from kvhandoff.adapters.vllm.config import LOOPBACK_PRODUCERS, ConnectorConfigError
 from kvhandoff.adapters.vllm.params import MalformedTransferParams
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+# A host name entry: dot-separated labels of letters, digits, '-' and '_' (a
+# separator typed by mistake, "a;b" or "a b", is no name).
+_HOST_NAME = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?")
 
 
 class UntrustedProducer(MalformedTransferParams):
@@ -75,7 +80,7 @@ def _parse_entry(entry: object) -> _Entry:
             if network.version != 4:
                 raise ValueError("IPv6 producers are not supported (D dials tcp://HOST:PORT)")
             return _Entry(network, "", port)
-        if not host or any(c in host for c in "/[]%: "):
+        if not _HOST_NAME.fullmatch(host):
             raise ValueError("not an IPv4 address, CIDR or host name (IPv6 is not supported)")
         return _Entry(None, host.lower(), port)
     except ValueError as exc:
