@@ -215,12 +215,30 @@ class HeartbeatSent(Event):
     kind: ClassVar[str] = "heartbeat_sent"
 
 
+# --- both halves ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Forgotten(Event):
+    """The engine dropped a finished record (FREED on P, DONE on D) to bound its memory.
+
+    Forgetting is logged like every other change, so a replay forgets the
+    request at the same point as the live engine did and the two folds stay
+    equal.  After it the request id is unknown again (NEW): a later request
+    under the same id is a new request.  When an engine forgets is policy
+    (`core.policy.to_forget`).
+    """
+
+    kind: ClassVar[str] = "forgotten"
+
+
 PRODUCER_EVENTS: tuple[type[Event], ...] = (
     PrefillStarted, Exported, HeartbeatReceived, ReleaseNotified, LeaseExpired, Aborted, Freed,
+    Forgotten,
 )
 CONSUMER_EVENTS: tuple[type[Event], ...] = (
     Admitted, Validated, Rejected, ReadsPosted, SplitCompleted, SplitFailed, ClientCancelled,
-    LeaseAcknowledged, FinishedRecving, ReleaseSent, HeartbeatSent,
+    LeaseAcknowledged, FinishedRecving, ReleaseSent, HeartbeatSent, Forgotten,
 )
 EVENT_TYPES: dict[str, type[Event]] = {c.kind: c for c in PRODUCER_EVENTS + CONSUMER_EVENTS}
 

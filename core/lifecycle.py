@@ -100,8 +100,8 @@ class ConsumerRecord:
     """D's view of one request on one rank."""
 
     __slots__ = ("state", "remote_engine", "remote_ranks", "num_blocks", "lease_s", "margin",
-                 "local_id", "split_ranks", "split_groups", "split_done", "failed", "cancelled",
-                 "safe_until", "held_at", "gone", "last_heartbeat", "t0", "t_end")
+                 "local_id", "split_ranks", "split_groups", "split_done", "posted_at", "failed",
+                 "cancelled", "safe_until", "held_at", "gone", "last_heartbeat", "t0", "t_end")
 
     def __init__(self, t0: float) -> None:
         self.state = DState.ADMITTED
@@ -115,6 +115,7 @@ class ConsumerRecord:
         self.split_groups: tuple[int, ...] = ()  # per split: the cache group it reads
         # per split: None in flight, a float completion time, or "" when it failed
         self.split_done: list[float | str | None] = []
+        self.posted_at = math.inf  # when the READs were posted
         self.failed = ""  # first failure reason
         self.cancelled = False
         self.safe_until: dict[int, float] = {}  # per P rank, on D's clock
@@ -132,7 +133,7 @@ class ConsumerRecord:
     def key(self) -> tuple:
         return (self.state.value, self.remote_engine, self.remote_ranks, self.num_blocks,
                 self.lease_s, self.margin, self.local_id, self.split_ranks, self.split_groups,
-                tuple(self.split_done),
+                tuple(self.split_done), self.posted_at,
                 self.failed, self.cancelled, tuple(sorted(self.safe_until.items())),
                 tuple(sorted(self.held_at.items())), self.gone, self.last_heartbeat)
 
@@ -286,6 +287,7 @@ def _post_reads(ss, rec: ConsumerRecord, ev) -> ConsumerRecord:
         raise _Refused(f"{len(ev.split_groups)} split_groups for {len(ev.split_ranks)} splits")
     rec.split_ranks, rec.split_groups = tuple(ev.split_ranks), groups
     rec.split_done = [None] * len(ev.split_ranks)
+    rec.posted_at = ev.t
     return rec
 
 
@@ -414,6 +416,7 @@ P_GRAPH: tuple[tuple, ...] = (
     ("release_notified", [P.NEW, P.PREFILLING], "=", _ignore("unknown_request"), None),
     ("heartbeat_received", _IGNORED_P, "=", _ignore("after_release"), None),
     ("release_notified", _IGNORED_P, "=", _ignore("after_release"), None),
+    ("forgotten", [P.FREED], P.NEW, None, None),
 )
 
 D_GRAPH: tuple[tuple, ...] = (
@@ -435,6 +438,7 @@ D_GRAPH: tuple[tuple, ...] = (
     ("lease_acknowledged", [s for s in D if s is not D.NEW], "=", _acknowledge, None),
     ("lease_acknowledged", [D.NEW], "=", _ignore("unknown_request"), None),
     ("heartbeat_sent", sorted(HEARTBEAT_STATES), "=", _note_heartbeat, None),
+    ("forgotten", [D.DONE], D.NEW, None, None),
 )
 
 
@@ -520,29 +524,14 @@ def apply(state: LifecycleState, event: Event) -> LifecycleState:
     state.events += 1
     if new_rec is None:  # ignored notification: counted by the prepare step
         return state
+    if dest is ss.new:  # forgotten: the request is unknown again
+        del ss.requests[event.request_id]
+        return state
     new_rec.state = dest
     if dest in TERMINAL:
         new_rec.t_end = event.t
     ss.requests[event.request_id] = new_rec
     return state
-
-
-def prune_terminal(state: LifecycleState, stream: Stream, before: float) -> int:
-    """Forget the stream's FREED / DONE records that ended before ``before``.
-
-    A long-running engine calls this with ``now - lease`` or so: a freed
-    request stays known long enough to answer late heartbeats and releases
-    precisely ("released", not "unknown"), and memory stays bounded.  This is
-    the one change to the state that is not an event: a pruned state no
-    longer equals the full fold of its log.
-    """
-    ss = state.streams.get(stream)
-    if ss is None:
-        return 0
-    old = [rid for rid, rec in ss.requests.items() if rec.t_end < before]
-    for rid in old:
-        del ss.requests[rid]
-    return len(old)
 
 
 def fold(events: Iterable[Event], state: LifecycleState | None = None) -> LifecycleState:

@@ -7,9 +7,13 @@ implies.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+
 from kvhandoff.core.events import Stream
 from kvhandoff.core.lifecycle import (
     HEARTBEAT_STATES,
+    TERMINAL,
     ConsumerRecord,
     DState,
     LifecycleState,
@@ -20,9 +24,15 @@ from kvhandoff.core.lifecycle import (
 )
 
 __all__ = [
-    "Verdict", "heartbeat_due", "expired_leases", "to_free", "lease_time_left",
-    "read_verdict", "reads_to_report", "awaiting_proof",
+    "Verdict", "heartbeat_due", "heartbeat_period", "read_deadline", "expired_leases", "to_free",
+    "to_forget", "lease_time_left", "read_verdict", "reads_to_report", "awaiting_proof",
 ]
+
+# D heartbeats a P rank this many times per lease of the requests it covers (vLLM's
+# NixlConnector: lease // 6): five of six heartbeats may be lost before a lease lapses.
+HEARTBEATS_PER_LEASE = 6
+# A finished record is remembered this many leases after it ended (`to_forget`).
+REMEMBER_LEASES = 2
 
 _TO_FREE = frozenset({PState.RELEASED, PState.EXPIRED, PState.ABORTED})
 
@@ -46,6 +56,37 @@ def heartbeat_due(state: LifecycleState, stream: Stream) -> dict[str, list[str]]
     return due
 
 
+def heartbeat_period(interval_s: float, leases: Iterable[float]) -> float:
+    """D: how often to heartbeat one P rank: D's own ``interval_s``, or a sixth of the
+    shortest lease among the requests due there when that is shorter.
+
+    The leases are P's (they travel in each request's parameters): a P that
+    grants 4 s must hear from D every 2/3 s, whatever D's own setting says,
+    or its lease lapses between two heartbeats while a READ still runs.
+    """
+    return min((interval_s, *(lease / HEARTBEATS_PER_LEASE for lease in leases)))
+
+
+def read_deadline(rec: ConsumerRecord, timeout_s: float) -> float:
+    """D: when a request's READs are given up (failed) if they have not drained, or drained
+    with no proof, on D's clock.
+
+    D's own ``timeout_s`` runs from the posting; it is cut short when P has
+    not vouched for the lease for a whole lease (the request's) since the
+    later of the posting and the latest heartbeat that P rank answered alive
+    (the stalest rank among those still owing: a split in flight, or one
+    completed later than that rank's proven bound): past that, P may have
+    freed the source, and waiting longer only holds D's pages for bytes D
+    would refuse.  While P keeps answering, a READ may run longer than one
+    lease.
+    """
+    owing = [r for r, done in zip(rec.split_ranks, rec.split_done, strict=True)
+             if done is None or (done != "" and done > rec.safe_until.get(r, -math.inf))]
+    ranks = owing or rec.split_ranks
+    last_proof = min((rec.held_at.get(r, -math.inf) for r in ranks), default=-math.inf)
+    return min(rec.posted_at + timeout_s, max(rec.posted_at, last_proof) + rec.lease_s)
+
+
 def expired_leases(state: LifecycleState, stream: Stream, t: float) -> list[str]:
     """P: exported requests whose lease deadline has passed at ``t``."""
     return [rid for rid, rec in _records(state, stream)
@@ -55,6 +96,19 @@ def expired_leases(state: LifecycleState, stream: Stream, t: float) -> list[str]
 def to_free(state: LifecycleState, stream: Stream) -> list[str]:
     """P: requests whose blocks must be freed now (released, expired or aborted)."""
     return [rid for rid, rec in _records(state, stream) if rec.state in _TO_FREE]
+
+
+def to_forget(state: LifecycleState, stream: Stream, t: float, lease_s: float) -> list[str]:
+    """Finished records (FREED / DONE) to forget at ``t``: ended ``REMEMBER_LEASES`` leases ago.
+
+    The lease is the engine's own ``lease_s`` or the request's, whichever is
+    longer.  Until then a late heartbeat or release gets a precise answer,
+    and on D the request's transfer parameters stay single-use for as long as
+    P may still hold its blocks.  Forgetting is an event (`Forgotten`).
+    """
+    return [rid for rid, rec in _records(state, stream)
+            if rec.state in TERMINAL
+            and t - rec.t_end > REMEMBER_LEASES * max(lease_s, rec.lease_s)]
 
 
 def lease_time_left(state: LifecycleState, stream: Stream, request_id: str, t: float, *,

@@ -48,7 +48,15 @@ from dataclasses import dataclass, field
 from itertools import groupby
 
 from kvhandoff.core.errors import InvalidTransition, LifecycleError
-from kvhandoff.core.events import EXTRA_FIELDS, Event, Freed, LeaseAcknowledged, Side
+from kvhandoff.core.events import (
+    EXTRA_FIELDS,
+    Admitted,
+    Event,
+    Forgotten,
+    Freed,
+    LeaseAcknowledged,
+    Side,
+)
 from kvhandoff.core.lifecycle import (
     HEARTBEAT_STATES,
     ConsumerRecord,
@@ -98,6 +106,11 @@ class ProofLedger:
             self._held[key] = (held, True)
             self._until[key] = min(self._until.get(key, -math.inf), held)
 
+    def drop(self, key) -> None:
+        """Forget what was proven for ``key`` (its request id was forgotten: a re-use is new)."""
+        self._until.pop(key, None)
+        self._held.pop(key, None)
+
     def proven_until(self, key) -> float:
         return self._until.get(key, -math.inf)
 
@@ -123,13 +136,15 @@ class Replay:
     gap_reported_at: dict = field(default_factory=dict)
     # What P's acknowledgements prove, derived here from the events.
     proofs: ProofLedger = field(default_factory=lambda: ProofLedger())
+    # P engines D's admissions named (kept past a record's `forgotten`).
+    named_producers: set = field(default_factory=set)
+    # (D stream, request) -> its keys in ``proofs`` (dropped when it is forgotten).
+    proof_keys: dict = field(default_factory=dict)
 
     def missing_producers(self) -> list[str]:
         """P engines named by D's requests whose log is not among the replayed ones."""
         producers = {s.engine for s in self.state.streams if s.side is Side.P}
-        named = {rec.remote_engine for ss in self.state.streams.values()
-                 if ss.stream.side is Side.D for rec in ss.requests.values()}
-        return sorted(named - producers)
+        return sorted(self.named_producers - producers)
 
     def summary(self) -> dict:
         states: Counter[str] = Counter()
@@ -230,15 +245,29 @@ def replay(events: Sequence[Event], *, request: str | None = None, until: int | 
         rec = state.record(event.stream, event.request_id)
         if keep_timeline and (request is None or event.request_id == request):
             result.timeline.append((event, rec.state.value if rec is not None else "-"))
-        if event.stream.side is Side.P:
+        if isinstance(event, Forgotten):  # the id is unknown again: so are its cross checks
+            _forget(result, freed_at, event)
+        elif event.stream.side is Side.P:
             if isinstance(event, Freed):
                 key = (event.stream.engine, event.stream.rank, event.request_id)
                 freed_at[key] = event.t
                 result.freed_under_read += _reads_in_flight(state, event)
         elif isinstance(rec, ConsumerRecord):
+            if isinstance(event, Admitted):
+                result.named_producers.add(rec.remote_engine)
             _check_consumer(result, freed_at, event, rec)
     _check_leaks(result, last_t)
     return result
+
+
+def _forget(result: Replay, freed_at: dict, event: Event) -> None:
+    stream, rid = event.stream, event.request_id
+    if stream.side is Side.P:
+        freed_at.pop((stream.engine, stream.rank, rid), None)
+        return
+    result.gap_reported_at.pop((stream, rid), None)
+    for key in result.proof_keys.pop((stream, rid), ()):
+        result.proofs.drop(key)
 
 
 def _skip(state: LifecycleState, event: Event) -> None:
@@ -264,8 +293,9 @@ def _reads_in_flight(state: LifecycleState, freed: Event) -> int:
 def _check_consumer(result: Replay, freed_at: dict, event: Event, rec: ConsumerRecord) -> None:
     if isinstance(event, LeaseAcknowledged) and event.sent_at <= rec.last_heartbeat:
         # (an answer that echoes no heartbeat D sent proves nothing)
-        result.proofs.note((event.stream, event.request_id, event.p_rank), event.sent_at,
-                           event.time_left, rec.lease_s, rec.margin)
+        key = (event.stream, event.request_id, event.p_rank)
+        result.proofs.note(key, event.sent_at, event.time_left, rec.lease_s, rec.margin)
+        result.proof_keys.setdefault((event.stream, event.request_id), set()).add(key)
     if rec.state in HEARTBEAT_STATES or event.kind == "finished_recving":
         key = (event.stream, event.request_id)
         gap = event.t - max(rec.last_heartbeat, result.gap_reported_at.get(key, -math.inf))

@@ -63,7 +63,7 @@ from kvhandoff.core.planning import (
     plan_group_reads,
     validate_block_ids,
 )
-from kvhandoff.core.policy import heartbeat_due
+from kvhandoff.core.policy import heartbeat_due, heartbeat_period
 from kvhandoff.core.replay import ProofLedger
 from kvhandoff.simulations import kv
 from kvhandoff.simulations.config import RunConfig
@@ -474,7 +474,9 @@ class DecodeEngine:
             due = [rid for rid in due if rid in self.urgent or _stale(requests[rid], stale)]
         self.urgent.clear()
         if periodic:
-            self.next_heartbeat = now + self.cfg.heartbeat_s
+            requests = self.state.stream(self.stream).requests
+            self.next_heartbeat = now + heartbeat_period(
+                self.cfg.heartbeat_s, (requests[rid].lease_s for rid in due))
         if not due:
             return
         for rid in due:

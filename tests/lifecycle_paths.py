@@ -61,11 +61,11 @@ D_PATHS: dict[DState, list] = {
 D_PATHS[DState.DONE] = [*D_PATHS[DState.RECEIVED], (ReleaseSent, dict(notify_only=False))]
 
 
-def ledger_in(state) -> Ledger:
-    """A ledger whose request ``RID`` has been driven into ``state``."""
+def ledger_in(state, sink=None) -> Ledger:
+    """A ledger whose request ``RID`` has been driven into ``state`` (each event to ``sink``)."""
     side = Side.P if isinstance(state, PState) else Side.D
     paths = P_PATHS if side is Side.P else D_PATHS
-    ledger = Ledger(P0 if side is Side.P else D0, LifecycleState())
+    ledger = Ledger(P0 if side is Side.P else D0, LifecycleState(), sink=sink)
     t = 0.0
     for cls, fields in paths[state]:
         fields = dict(fields)

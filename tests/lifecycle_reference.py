@@ -113,6 +113,8 @@ class ReferenceModel:
                 return REFUSED, None
             r.state = "FREED"
             return APPLIED, r
+        if kind == "forgotten":  # a freed request becomes unknown again
+            return (APPLIED, PRec()) if s == "FREED" else (REFUSED, None)
         raise AssertionError(kind)
 
     def time_left(self, rank: int, rid: str, t: float, engine: str, token: str) -> float:
@@ -188,6 +190,8 @@ class ReferenceModel:
             ok = (s == "RECEIVED" and not f["notify_only"]) or (
                 s in ("VALIDATED", "FAILED", "REJECTED", "CANCELLED") and f["notify_only"])
             return self._move(r, ok, "DONE")
+        if kind == "forgotten":  # a finished request becomes unknown again
+            return (APPLIED, DRec()) if s == "DONE" else (REFUSED, None)
         raise AssertionError(kind)
 
     @staticmethod

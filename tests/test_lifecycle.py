@@ -17,6 +17,7 @@ from kvhandoff.core.events import (
     ClientCancelled,
     Exported,
     FinishedRecving,
+    Forgotten,
     Freed,
     HeartbeatReceived,
     HeartbeatSent,
@@ -39,7 +40,7 @@ from kvhandoff.core.lifecycle import (
     DState,
     PState,
     apply,
-    prune_terminal,
+    fold,
 )
 from kvhandoff.core.replay import state_hash
 
@@ -60,6 +61,7 @@ LEGAL = [
     (P.RELEASED, Freed, {}, P.FREED),
     (P.EXPIRED, Freed, {}, P.FREED),
     (P.ABORTED, Freed, {}, P.FREED),
+    (P.FREED, Forgotten, {}, P.NEW),
     *[(s, cls, kw, s) for s in (P.NEW, P.PREFILLING, P.RELEASED, P.EXPIRED, P.ABORTED, P.FREED)
       for cls, kw in ((HeartbeatReceived, dict(from_engine="decode-0")), (ReleaseNotified, REL0))],
     (D.NEW, Admitted, ADMIT, D.ADMITTED),
@@ -79,6 +81,7 @@ LEGAL = [
     (D.FAILED, ReleaseSent, dict(notify_only=True), D.DONE),
     (D.REJECTED, ReleaseSent, dict(notify_only=True), D.DONE),
     (D.CANCELLED, ReleaseSent, dict(notify_only=True), D.DONE),
+    (D.DONE, Forgotten, {}, D.NEW),
     *[(s, ClientCancelled, {}, s) for s in (D.REJECTED, D.CANCELLED, D.CANCELLED_READING,
                                              D.RECEIVED, D.FAILED, D.DONE)],
     *[(s, LeaseAcknowledged, dict(p_rank=0, sent_at=0.0, time_left=1.0), s)
@@ -160,7 +163,7 @@ def test_illegal_transition_raises_and_changes_nothing(state, event):
 
 def test_illegal_sample_is_large():
     assert len(ILLEGAL) > 100
-    assert len(EVENT_TYPES) == 18
+    assert len(EVENT_TYPES) == 19
 
 
 @pytest.mark.parametrize(("state", "event", "fields", "reason"), [
@@ -232,14 +235,22 @@ def test_stale_and_duplicate_notifications_change_nothing_and_are_counted():
     assert before != state_hash(ledger.state)  # only the counters moved
 
 
-def test_terminal_records_are_pruned_after_a_while_for_long_running_engines():
-    ledger = ledger_in(P.FREED)  # freed at t=0.005
-    assert prune_terminal(ledger.state, P0, before=0.005) == 0  # still answers late heartbeats
-    assert ledger.state.record(P0, RID).state is P.FREED
-    assert prune_terminal(ledger.state, P0, before=1.0) == 1
-    assert ledger.state.record(P0, RID) is None
-    with pytest.raises(InvalidTransition):  # a second free of a forgotten request still fails
-        ledger.record(Freed, RID, 1.0)
+def test_a_forgotten_record_is_unknown_again_in_the_live_fold_and_in_replay():
+    for state, stream in ((P.FREED, P0), (D.DONE, D0)):
+        logged: list = []
+        ledger = ledger_in(state, sink=logged.append)
+        ledger.record(Forgotten, RID, 30.0)
+        assert ledger.state.record(stream, RID) is None  # memory bounded
+        if stream.side is Side.P:
+            with pytest.raises(InvalidTransition):  # a second free of a forgotten request fails
+                ledger.record(Freed, RID, 31.0)
+            ledger.record(HeartbeatReceived, RID, 31.0, from_engine="decode-0")
+            assert ledger.state.streams[P0].ignored["unknown_request"] == 1
+        else:  # the same id again is a new request
+            ledger.record(Admitted, RID, 31.0, **ADMIT)
+            assert ledger.state.record(D0, RID).state is D.ADMITTED
+        # The log holds the forgetting: its fold equals the live state.
+        assert state_hash(fold(logged)) == state_hash(ledger.state)
 
 
 def test_release_token_keeps_strays_from_freeing_a_live_lease():

@@ -52,6 +52,7 @@ from kvhandoff.core.events import (
     ClientCancelled,
     Exported,
     FinishedRecving,
+    Forgotten,
     Freed,
     HeartbeatReceived,
     HeartbeatSent,
@@ -552,6 +553,19 @@ class HandoffMachine(RuleBasedStateMachine):
     def time_passes(self, dt) -> None:
         self.t += dt
 
+    @rule()
+    def engines_forget_finished_requests(self) -> None:
+        """Forgetting (`policy.to_forget`, two leases after the end) on every stream that
+        finished a request; the driver then never names it again (re-use is tested apart)."""
+        streams = (*PS, D0)
+        due = {s: set(policy.to_forget(self.state, s, self.t, LEASE)) for s in streams}
+        for rid in sorted(set().union(*due.values())):
+            if all(rid in due[s] or self._fold_state(s, rid) == "NEW" for s in streams):
+                for s in streams:
+                    if rid in due[s]:
+                        self._event(s, Forgotten, rid)
+                del self.requests[rid]
+
     # --- anything else is refused and changes nothing ------------------------------------
 
     @rule(data=st.data(), side=st.sampled_from(["P", "D"]))
@@ -590,7 +604,7 @@ class HandoffMachine(RuleBasedStateMachine):
 
 _FIELDS = {
     "prefill_started": {}, "freed": {}, "lease_expired": {}, "validated": {},
-    "finished_recving": {}, "client_cancelled": {}, "heartbeat_sent": {},
+    "finished_recving": {}, "client_cancelled": {}, "heartbeat_sent": {}, "forgotten": {},
     "exported": {"lease_s": st.sampled_from([0.0, LEASE]),
                  "consumer_ranks": st.sampled_from([(), (0,)]), "num_blocks": st.just(2),
                  "token": st.just("")},

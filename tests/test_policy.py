@@ -215,3 +215,60 @@ def test_awaiting_proof_lists_drained_reads_still_waiting_for_p():
     assert policy.awaiting_proof(ledger.state, D0) == [RID]
     _ack(ledger, 6.6, 6.5, 3.0)
     assert policy.awaiting_proof(ledger.state, D0) == []
+
+
+def test_heartbeat_period_is_d_s_interval_or_a_sixth_of_the_shortest_lease_it_covers():
+    assert policy.heartbeat_period(5.0, [30.0, 60.0]) == 5.0  # D's own setting bounds it
+    assert policy.heartbeat_period(5.0, [30.0, 4.0, 12.0]) == pytest.approx(4.0 / 6)
+    assert policy.heartbeat_period(5.0, []) == 5.0  # nothing due: D's own
+
+
+def test_read_deadline_runs_from_the_posting_and_is_cut_to_a_lease_without_word_from_p():
+    ledger = ledger_in(DState.READING)  # lease 10 s, two splits from P rank 0
+    rec = ledger.state.record(D0, RID)
+    posted = rec.posted_at
+    assert policy.read_deadline(rec, 30.0) == posted + 10.0  # P silent: one lease
+    assert policy.read_deadline(rec, 5.0) == posted + 5.0  # D's own timeout first
+    ledger.record(HeartbeatSent, RID, 8.0)
+    ledger.record(LeaseAcknowledged, RID, 8.1, p_rank=0, sent_at=8.0, time_left=10.0)
+    assert policy.read_deadline(rec, 30.0) == 18.0  # P vouched at 8: a READ may run on
+    ledger.record(SplitCompleted, RID, 9.0, split=0)
+    assert policy.read_deadline(rec, 30.0) == 18.0
+
+
+def test_read_deadline_follows_the_stalest_p_rank_still_read():
+    from kvhandoff.core.events import Admitted, ReadsPosted, Validated
+    from kvhandoff.core.ledger import Ledger
+
+    ledger = Ledger(D0)
+    ledger.record(Admitted, RID, 0.0, remote_engine="prefill-0", remote_ranks=(0, 1),
+                  num_blocks=2, lease_s=10.0, lease_margin_s=0.5)
+    ledger.record(Validated, RID, 0.0)
+    ledger.record(ReadsPosted, RID, 1.0, split_ranks=(0, 1))
+    ledger.record(HeartbeatSent, RID, 6.0)
+    ledger.record(LeaseAcknowledged, RID, 6.1, p_rank=0, sent_at=6.0, time_left=10.0)
+    rec = ledger.state.record(D0, RID)
+    assert policy.read_deadline(rec, 30.0) == 11.0  # rank 1 never answered
+    ledger.record(SplitCompleted, RID, 7.0, split=1)
+    assert policy.read_deadline(rec, 30.0) == 11.0  # rank 1 drained, but unproven
+    ledger.record(SplitCompleted, RID, 7.5, split=0)
+    assert policy.read_deadline(rec, 30.0) == 11.0  # drained: every rank counts
+
+
+@pytest.mark.parametrize("state", [PState.FREED, DState.DONE])
+def test_finished_records_are_forgotten_two_leases_after_they_ended(state):
+    ledger = ledger_in(state)  # the request's lease: 10 s
+    stream = P0 if isinstance(state, PState) else D0
+    ended = ledger.state.record(stream, RID).t_end
+    assert policy.to_forget(ledger.state, stream, ended + 20.0, 3.0) == []
+    assert policy.to_forget(ledger.state, stream, ended + 20.01, 3.0) == [RID]
+    assert policy.to_forget(ledger.state, stream, ended + 20.01, 30.0) == []  # own lease longer
+    assert policy.to_forget(ledger.state, stream, ended + 60.01, 30.0) == [RID]
+
+
+@pytest.mark.parametrize("state", [s for s in (*PState, *DState)
+                                   if s not in (PState.NEW, DState.NEW, PState.FREED, DState.DONE)])
+def test_unfinished_records_are_never_forgotten(state):
+    ledger = ledger_in(state)
+    stream = P0 if isinstance(state, PState) else D0
+    assert policy.to_forget(ledger.state, stream, 1e9, 1.0) == []

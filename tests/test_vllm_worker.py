@@ -653,3 +653,58 @@ def test_d_stamps_a_completion_no_earlier_than_it_received_it(workers):
     _pump(p, d, lambda s, r, f: "r20" in s and "L20" in r)
     (done,) = [e for e in read_log(d.flush()) if e.request_id == "r20" and e.kind == "split_completed"]
     assert received and done.t >= received[0]
+
+
+def test_heartbeats_follow_p_s_lease_when_it_is_shorter_than_d_s_setting(tmp_path):
+    """P grants 1.5 s, D runs its defaults (30 s lease: a heartbeat every 5 s), a READ takes 3 s.
+
+    D heartbeats that P rank every sixth of the shortest lease it covers, so
+    P's lease never lapses under the READ, the hand-off is served and replay
+    finds no heartbeat gap.  (At D's own period P expired the lease at 1.5 s
+    and D refused the bytes.)
+    """
+    port = _port()
+    p_lease, read_s = 1.5, 3.0
+    p = HandoffWorker(HandoffConfig.from_extra(
+        {"lease_s": p_lease, "log_dir": str(tmp_path), "side_channel_port": port}, env={}),
+        "P-w", Side.P, 0, 1, COMPAT)
+    d = HandoffWorker(HandoffConfig.from_extra(
+        {"log_dir": str(tmp_path), "debug_read_delay_param": True}, env={}),
+        "D-w", Side.D, 0, 1, COMPAT)
+    try:
+        pc, dc = _caches(True), _caches(False)
+        p.register_kv_caches(pc, LAYOUT)
+        d.register_kv_caches(dc, LAYOUT)
+        assert d.cfg.heartbeat_interval_s == 5.0 and d.cfg.read_timeout_s > read_s
+        _export(p, "r20", 2, "tok-20")
+        params = RemotePrefill("P-w", "r20", "127.0.0.1", port, 1, ((3, 4),), 2 * BLOCK, p_lease,
+                               token="tok-20", debug_read_delay_s=read_s).to_wire()
+        d.start_step(StepPlan(admits=[Admit("L20", params, "", 2 * BLOCK)],
+                              reads=[Read("L20", [[7, 8]])]))
+        sent, recved, failed = _pump(p, d, lambda s, r, f: "r20" in s and "L20" in r,
+                                     timeout=read_s + 10)
+        assert failed == set() and _same(pc, dc, (3, 4), (7, 8))
+        a = analyse_logs([p.flush(), d.flush()])
+        assert a["violations"] == [] and a["lease_expiries"] == 0 and a["p_frees"] == 1
+        beats = [e.t for e in read_log(d.log_path) if e.kind == "heartbeat_sent"]
+        assert max(b - a for a, b in zip(beats, beats[1:], strict=False)) <= p_lease / 6 + 0.2
+    finally:
+        d.close()
+        p.close()
+
+
+def test_params_re_sent_after_d_forgot_them_are_a_new_request_and_replay_stays_clean(workers):
+    """Forgetting is in the log: a re-use after it is a fresh request (P answers "gone", so it
+    fails and nothing is served) and ``replay --check`` folds both lives of the id."""
+    p, d, pc, dc, port = workers
+    params = _done_handoff(p, d, port, "r21", "L21", (9,), "tok-21", [2])
+    ended = d.state.record(d.stream, "r21").t_end
+    d._prune(ended + 2 * LEASE + 1)  # two leases after it ended: D forgets it
+    d.flush()
+    assert _d_state(d, "r21") is None and _kinds(d, "r21")[-1] == "forgotten"
+    d.start_step(StepPlan(admits=[Admit("L21b", params, "", BLOCK)], reads=[Read("L21b", [[3]])]))
+    _, recved, failed = _pump(p, d, lambda s, r, f: "L21b" in r)
+    assert failed == {"L21b"}
+    assert _kinds(d, "r21").count("admitted") == 2
+    a = analyse_logs([p.flush(), d.flush()])
+    assert a["violations"] == [] and a["p_frees"] == 1 and a["double_frees"] == 0

@@ -56,6 +56,8 @@ from kvhandoff.core.planning import (
 from kvhandoff.core.policy import (
     awaiting_proof,
     heartbeat_due,
+    heartbeat_period,
+    read_deadline,
     reads_to_report,
 )
 from kvhandoff.transports.base import group_splits
@@ -562,15 +564,21 @@ class ConsumerHalf:
                 self._record(SplitFailed, rid, now, split=split, reason=reason or "read failed")
                 self._count("reads_failed")
         inc.held = keep
-        if inc.handles and not inc.splits_failed and now - inc.posted_at > self.cfg.read_timeout_s:
+        rec = self._rec(rid)
+        if (inc.handles and not inc.splits_failed and isinstance(rec, ConsumerRecord)
+                and now > read_deadline(rec, self.cfg.read_timeout_s)):
             inc.timed_out = True
             # NIXL cannot cancel a READ: its pages (and P's lease) stay held
             # until the transfer drains or errors.
-            log.warning("vllm.worker.read_timeout", request_id=rid,
-                        timeout_s=self.cfg.read_timeout_s, splits_in_flight=len(inc.handles))
+            waited = now - inc.posted_at
+            log.warning("vllm.worker.read_timeout", request_id=rid, waited_s=round(waited, 3),
+                        timeout_s=self.cfg.read_timeout_s, lease_s=rec.lease_s,
+                        splits_in_flight=len(inc.handles))
             for split in sorted(set(inc.handles.values())):
                 self._record(SplitFailed, rid, now, split=split,
-                             reason=f"read timeout after {self.cfg.read_timeout_s}s")
+                             reason=f"read timeout after {waited:.1f}s (read_timeout_s "
+                                    f"{self.cfg.read_timeout_s}, lease_s {rec.lease_s} "
+                                    f"without word from P)")
             self._count("reads_failed")
 
     def _d_notifs(self, now: float) -> None:
@@ -617,12 +625,14 @@ class ConsumerHalf:
                     groups.setdefault(key, []).append(rid)
         for key, rids in sorted(groups.items()):
             since = now - self._last_hb.get(key, -math.inf)
-            due = since >= self.cfg.heartbeat_interval_s
+            # P's leases (from the params) set the pace as much as D's own setting.
+            period = heartbeat_period(self.cfg.heartbeat_interval_s,
+                                      (self._rec(r).lease_s for r in rids))
+            due = since >= period
             fresh = any(r in self._fresh for r in rids)
             # Reads drained but unconfirmed: ask at once, then every quarter
-            # interval (an acknowledgement can be lost like any notification).
-            urgent = key in waiting and since >= (
-                self.cfg.heartbeat_interval_s / 4 if key in self._reasked else 0.005)
+            # period (an acknowledgement can be lost like any notification).
+            urgent = key in waiting and since >= (period / 4 if key in self._reasked else 0.005)
             if not (due or fresh or urgent):
                 continue
             peer = self._peers.get(key)
@@ -675,7 +685,7 @@ class ConsumerHalf:
                     and rec.state in (DState.READING, DState.CANCELLED_READING)
                     and rec.drained
                     and (rec.state is DState.CANCELLED_READING
-                         or now - inc.posted_at > self.cfg.read_timeout_s)
+                         or now > read_deadline(rec, self.cfg.read_timeout_s))
                     and inc.remote.request_id not in due):
                 due.append(inc.remote.request_id)
         for rid in due:

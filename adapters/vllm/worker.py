@@ -57,18 +57,13 @@ from kvhandoff.adapters.vllm.transport import make_transport
 from kvhandoff.adapters.vllm.trust import TrustedProducers
 from kvhandoff.core import messages
 from kvhandoff.core.errors import LifecycleError, MalformedMessage
-from kvhandoff.core.events import (
-    Side,
-    Stream,
-)
+from kvhandoff.core.events import Forgotten, Side, Stream
 from kvhandoff.core.groups import CacheLayout
 from kvhandoff.core.ledger import Ledger
-from kvhandoff.core.lifecycle import (
-    LifecycleState,
-    prune_terminal,
-)
+from kvhandoff.core.lifecycle import LifecycleState
 from kvhandoff.core.log import LogWriter
 from kvhandoff.core.planning import prefill_backoff
+from kvhandoff.core.policy import to_forget
 from kvhandoff.transports.base import RegionMismatch
 from kvhandoff.transports.caches import kv_regions
 
@@ -243,23 +238,19 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
             self._notif_thread.start()
 
     def _prune(self, now: float) -> None:
-        """Forget finished records two leases after they ended (the request's lease if longer).
+        """Forget finished records `to_forget` names (two leases after they ended, the
+        request's lease if longer than this engine's), each a `Forgotten` event in the log.
 
         Until then late notifications get precise answers and, on D, the
         request's transfer parameters stay single-use (`_known`) for as long
-        as P may still hold its blocks.  The core prunes by one cut-off
-        time: it is lowered to the end of the earliest record that must stay,
-        so a longer lease is never cut short (its neighbours wait a little).
+        as P may still hold its blocks; after it a re-use is a new request,
+        in the live fold and in the replayed one alike.  Checked once a lease.
         """
         if now - self._last_prune < self.cfg.lease_s:
             return
         self._last_prune = now
-        before = now - 2 * self.cfg.lease_s
-        ss = self.state.streams.get(self.stream)
-        for rec in ss.requests.values() if ss is not None else ():
-            if rec.t_end < before and rec.t_end + 2 * max(self.cfg.lease_s, rec.lease_s) >= now:
-                before = rec.t_end
-        prune_terminal(self.state, self.stream, before)
+        for rid in to_forget(self.state, self.stream, now, self.cfg.lease_s):
+            self._record(Forgotten, rid, now)
 
     # ---- the two per-step entry points ------------------------------------
 
