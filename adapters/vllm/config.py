@@ -7,9 +7,9 @@ with `ConnectorConfigError`, never discovered mid-request.
 | key                    | default             | meaning                                              |
 |------------------------|---------------------|------------------------------------------------------|
 | lease_s                | 30.0                | P keeps exported blocks this long without a heartbeat |
-| heartbeat_interval_s   | lease_s / 6         | D heartbeats each P engine this often                |
+| heartbeat_interval_s   | lease_s / 6         | D heartbeats each P rank at most this far apart (P's lease / 6 when shorter) |
 | lease_margin_s         | min(1.0, lease_s/10)| D's safety margin on P's reported time left          |
-| read_timeout_s         | 30.0                | a READ still in flight after this is failed          |
+| read_timeout_s         | 30.0                | a READ still in flight after this is failed (sooner: one lease without word from P) |
 | failure_policy         | vLLM's kv_load_failure_policy | fail | recompute (must agree with vLLM's) |
 | log_dir                | a new temp dir      | where each engine writes its event log               |
 | side_channel_host      | $VLLM_NIXL_SIDE_CHANNEL_HOST or 127.0.0.1 | P's metadata listener (advertised to D) |
