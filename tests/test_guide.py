@@ -147,3 +147,49 @@ def test_the_cpu_recipe_runs_as_printed(tmp_path):
         assert check.returncode == 0, check.stdout + check.stderr
     finally:
         kill_group(proc.pid)
+
+
+# ---- kvhandoff demo --http -----------------------------------------------------
+
+DEMO_HTTP = "kvhandoff demo --http --json"
+
+
+def test_the_http_demo_runs_as_the_docs_print_it(tmp_path):
+    assert "[--http]" in README.read_text() and DEMO_HTTP in GUIDE.read_text()
+    kvhandoff = Path(sys.executable).with_name("kvhandoff")
+    argv = [str(kvhandoff), *DEMO_HTTP.split()[1:]]
+    # The demo's working directory is a new temporary one: under this test's.
+    result = subprocess.run(argv, cwd=ROOT, env={**os.environ, "TMPDIR": str(tmp_path)},
+                            capture_output=True, text=True, timeout=800)
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1, (result.stdout[-2000:], result.stderr[-3000:])
+    s = json.loads(lines[0])
+    assert result.returncode == 0, {k: v for k, v in s.items() if k != "event_logs"}
+    assert s["requests"] == 12 and s["completed"] == s["through_router"] == 8, s
+    assert s["streamed"] == 4 and s["tokens_match"] is True and s["distinct_outputs"] == 8, s
+    assert s["cancelled"] == s["cancel_planned"] == 3, s
+    assert s["rejected"] == 1 and s["malformed_status"] >= 400, s
+    assert s["malformed_rejected_in_d_log"] is True, s
+    assert s["engine_restarts"] == 0, s
+    assert s["p_frees"] == s["p_exports"] == 12 and s["double_frees"] == 0, s
+    assert s["replay_violations"] == 0 and s["violations"] == [], s
+    assert Path(s["workdir"]).is_relative_to(tmp_path)
+
+
+def test_the_http_demo_counts_a_process_that_died_or_restarted(tmp_path):
+    """engine_restarts is no constant: a process gone, or one with a new start time, counts."""
+    import psutil
+
+    from kvhandoff.adapters.vllm.http_demo import _gone
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE)
+    try:
+        me = psutil.Process(proc.pid)
+        procs = {(me.pid, me.create_time())}
+        assert _gone(procs) == 0
+        assert _gone({(me.pid, me.create_time() - 5)}) == 1  # same pid, another process
+    finally:
+        proc.stdin.close()
+        proc.wait(30)
+    assert _gone(procs) == 1

@@ -1,9 +1,11 @@
-"""``kvhandoff demo [--json]``: a real P/D hand-off inside two vLLM engines.
+"""``kvhandoff demo [--http] [--json]``: a real P/D hand-off inside two vLLM engines.
 
 Exposes ``add_parser(subparsers)`` and ``run(args) -> int`` for the CLI;
 also runnable as ``python -m kvhandoff.adapters.commands.demo``.
 Exit status 0 when every completed request matched the reference, the
-replay check found nothing and P freed every exported request exactly once.
+replay check found nothing and P freed every exported request exactly once
+(with ``--http`` also: every cancel landed mid-read, the malformed request
+failed, no engine process died or restarted; ``adapters.vllm.http_demo``).
 """
 
 from __future__ import annotations
@@ -22,11 +24,16 @@ DESCRIPTION = (
     "KVHandoffConnector over NIXL host memory, send a batch P -> D (some cancelled "
     "mid-read, one with malformed transfer parameters), check the tokens against a "
     "single-engine reference, replay both event logs with the invariant check. "
+    "With --http the same runs over HTTP: two `vllm serve` servers (P on core 0, D on core 1) "
+    "and the example router, text prompts, the reference decoded by P alone. "
     "Exit 0 when all of that holds.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--http", action="store_true",
+                   help="run it through two `vllm serve` servers and the example router "
+                        "(the route operators run) instead of in-process engine handles")
     p.add_argument("--model", choices=TINY_MODEL_KINDS, default="llama",
                    help="the tiny model: llama (one KV cache group, default), gemma3 (sliding "
                         "window + full attention), mamba2 (Mamba state)")
@@ -68,6 +75,34 @@ def _print_human(s: dict[str, Any], console: Any) -> None:
     console.print(f"  replay them: {s['replay_command']}")
 
 
+def _print_http_human(s: dict[str, Any], console: Any) -> None:
+    def yes(ok: bool) -> str:
+        return "[green]yes[/]" if ok else "[red]NO[/]"
+    console.print(f"\n[bold]kvhandoff demo --http[/] — tiny {s['model']}, `vllm serve` P (core 0) "
+                  f"and D (core 1) with KVHandoffConnector, the example router "
+                  f"(servers up in {s['engine_start_s']}s)")
+    console.print(f"  requests {s['requests']}: through the router {s['through_router']} "
+                  f"({s['streamed']} streamed), completed {s['completed']}, cancelled mid-read "
+                  f"{s['cancelled']}/{s['cancel_planned']}, malformed params rejected "
+                  f"{s['rejected']} (HTTP {s['malformed_status']})")
+    for i, r in s["failed"].items():
+        console.print(f"    [red]request {i} failed[/]: {r}")
+    console.print(f"  text and token ids equal P's own greedy decode: {yes(s['tokens_match'])} "
+                  f"({s['distinct_outputs']} distinct outputs; latency median "
+                  f"{s['latency_ms_median']} ms)")
+    console.print(f"  engine processes died or restarted: {s['engine_restarts']} "
+                  f"(exit codes after Ctrl-C: {s['exit_codes']})")
+    console.print(f"  P: exported {s['p_exports']}, freed {s['p_frees']}, double frees "
+                  f"{s['double_frees']}, lease expiries {s['lease_expiries']}, "
+                  f"notify-only releases {s['notify_only_releases']}")
+    console.print(f"  replay --check: {s['replay_violations']} violations "
+                  f"(state {s['state_hash'][:12]})")
+    for v in s["violations"]:
+        console.print(f"    [red]{v['invariant']}[/] {v['event']}: {v['detail']}")
+    console.print(f"  server logs: {' '.join(s['serve_logs'])}")
+    console.print(f"  replay them: {s['replay_command']}")
+
+
 def _logs_to_stderr() -> None:
     """stdout carries the --json object: route structlog to stderr unless the app chose."""
     import structlog
@@ -87,16 +122,30 @@ def run(args: argparse.Namespace) -> int:
     opts = DemoOptions(model=args.model, requests=args.requests, cancel=args.cancel,
                        output_tokens=args.output_tokens, lease_s=args.lease, seed=args.seed,
                        workdir=args.workdir)
+    if getattr(args, "http", False):
+        from kvhandoff.adapters.vllm.http_demo import http_demo_ok, run_http_demo
+
+        if args.requests < args.cancel + 2:
+            sys.stderr.write(f"kvhandoff demo --http: --requests {args.requests} needs at least "
+                             f"--cancel ({args.cancel}) + 2: one through the router, one "
+                             f"malformed\n")
+            return 2
+        # vLLM's API server notices a client's hang-up between its own steps: hold the
+        # cancelled requests' READs long enough for the cancel to land mid-read.
+        opts.slow_read_s = 2.5
+        run_it, ok, show = run_http_demo, http_demo_ok, _print_http_human
+    else:
+        run_it, ok, show = run_demo, demo_ok, _print_human
     with console.status("starting…") as status:
         def progress(stage: str, detail: str = "") -> None:
             status.update(f"[bold]{stage}[/] {detail}")
 
-        summary = run_demo(opts, progress)
+        summary = run_it(opts, progress)
     if args.json:
         sys.stdout.write(orjson.dumps(summary).decode() + "\n")
     else:
-        _print_human(summary, console)
-    return 0 if demo_ok(summary) else 1
+        show(summary, console)
+    return 0 if ok(summary) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,351 @@
+"""`kvhandoff demo --http`: the demo on the serve route, as operators run it.
+
+Two ``vllm serve`` processes with `KVHandoffConnector` (P pinned to core 0,
+D to core 1, `adapters.vllm.serve`) and the example router
+(`adapters.vllm.router.build_app`, in this process under uvicorn), talking
+HTTP only:
+
+* the reference: P decodes each text prompt by itself (a plain request, no
+  hand-off), greedy;
+* the batch, all at once: most requests go through the router (every other
+  one streamed) and must equal the reference, text and token ids;
+* some are cancelled mid-read: the router's two halves by hand (P prefills,
+  then D gets P's parameters plus ``kvhandoff_debug_read_delay_s`` so that its
+  READ is held; the router passes P's parameters unchanged, so the delay
+  cannot ride through it) and the client hangs up once D's event log shows
+  the READ posted; D's log must show the cancel between the READ's post and
+  its completion;
+* one request gives D garbage ``kv_transfer_params`` directly: it must fail
+  (non-2xx) and the engines go on;
+* then P must free every exported request exactly once, no engine process
+  may have died or restarted, and both event logs replay clean
+  (`core.replay`).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from kvhandoff.adapters.vllm.cluster import EngineFailed, free_port
+from kvhandoff.adapters.vllm.demo import DemoOptions, analyse_logs
+from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY
+from kvhandoff.adapters.vllm.serve import ServeProcess, ServeSpec
+from kvhandoff.adapters.vllm.tiny_model import write_tiny_model
+
+WORDS = ("the rain in spain falls mainly on a plain while old ships sail north past quiet "
+         "harbours and bright towers of glass hum with the songs of distant engines").split()
+HTTP_TIMEOUT_S = 300.0
+
+
+def text_prompts(n: int, lo: int, hi: int, seed: int) -> list[str]:
+    """``n`` text prompts of ``lo``..``hi`` words (the tiny tokenizer: ~2-4 tokens a word)."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi))) for _ in range(n)]
+
+
+def _events(path: Path, rid: str | None = None) -> list:
+    from kvhandoff.core.log import read_log
+
+    if not path.exists():
+        return []
+    evs = read_log(path)  # a live log: a torn last line is dropped with a warning
+    return evs if rid is None else [e for e in evs if e.request_id == rid]
+
+
+def _wait(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(interval_s)
+    return value
+
+
+def _processes(server: ServeProcess) -> set[tuple[int, float]]:
+    """(pid, start time) of a server's API process and every process below it."""
+    import psutil
+
+    root = psutil.Process(server.proc.pid)
+    procs = [root, *root.children(recursive=True)]
+    out = set()
+    for p in procs:
+        try:
+            out.add((p.pid, p.create_time()))
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _gone(procs: set[tuple[int, float]]) -> int:
+    """How many of ``procs`` no longer run (a restarted process has a new start time)."""
+    import psutil
+
+    n = 0
+    for pid, created in procs:
+        try:
+            alive = psutil.Process(pid).create_time() == created
+        except psutil.NoSuchProcess:
+            alive = False
+        n += not alive
+    return n
+
+
+class _Router:
+    """The example router in this process (uvicorn on a thread), as the serve tests run it."""
+
+    def __init__(self, prefill_url: str, decode_url: str) -> None:
+        import uvicorn
+
+        from kvhandoff.adapters.vllm.router import build_app
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(build_app(prefill_url, decode_url),
+                                                    host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True, name="router")
+        self.thread.start()
+        _wait(lambda: self.server.started or not self.thread.is_alive(), 30, "the router")
+        if not self.server.started:
+            raise EngineFailed(f"the router did not start on port {self.port}")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+class _Run:
+    """One run: the servers, the router and the request bodies."""
+
+    def __init__(self, opts: DemoOptions, workdir: Path, model: str) -> None:
+        self.opts, self.workdir, self.model = opts, workdir, model
+        self.log_dir = workdir / "events"
+        self.p_log = self.log_dir / "demo-P.P0.jsonl"
+        self.d_log = self.log_dir / "demo-D.D0.jsonl"
+        self.servers: list[ServeProcess] = []
+        self.router: _Router | None = None
+
+    def start(self) -> tuple[ServeProcess, ServeProcess]:
+        serve_args = ("--no-enable-prefix-caching",) if self.opts.model == "mamba2" else ()
+        side_port = free_port()
+        common = {"lease_s": self.opts.lease_s, "log_dir": str(self.log_dir)}
+        # vLLM's CPU workers pin themselves to VLLM_CPU_OMP_THREADS_BIND: P and D
+        # on one core time out every hand-off's handshake.
+        p = ServeProcess(ServeSpec("P", "prefill", self.model, "demo-P", dict(common),
+                                   side_channel_port=side_port, cpus="0",
+                                   extra_args=serve_args), self.workdir)
+        self.servers.append(p)
+        d = ServeProcess(ServeSpec("D", "decode", self.model, "demo-D", {
+            **common, "debug_read_delay_param": True,
+            "trusted_producers": [f"127.0.0.1:{side_port}"]}, cpus="1",
+            extra_args=serve_args), self.workdir)
+        self.servers.append(d)
+        return p, d
+
+    def stop(self) -> dict[str, int | None]:
+        if self.router is not None:
+            self.router.stop()
+        codes: dict[str, int | None] = {}
+        for s in reversed(self.servers):
+            codes[s.spec.name] = s.stop(signal.SIGINT, timeout_s=60) if s.alive() else s.proc.returncode
+        return codes
+
+    def body(self, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+        return {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True, **extra}
+
+
+def _completion(r: Any) -> dict[str, Any]:
+    if r.status_code != 200:
+        return {"status": r.status_code, "error": r.text[:300]}
+    choice = r.json()["choices"][0]
+    return {"status": 200, "text": choice["text"], "token_ids": choice.get("token_ids"),
+            "finish_reason": choice.get("finish_reason")}
+
+
+def _streamed(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    text, token_ids, finish = "", [], None
+    with client.stream("POST", url, json=body | {"stream": True}) as r:
+        if r.status_code != 200:
+            r.read()
+            return {"status": r.status_code, "error": r.text[:300]}
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                text += choice.get("text") or ""
+                token_ids += choice.get("token_ids") or []
+                finish = choice.get("finish_reason") or finish
+    return {"status": 200, "text": text, "token_ids": token_ids, "finish_reason": finish,
+            "streamed": True}
+
+
+def _median(xs: list[float]) -> float | None:
+    return round(statistics.median(xs), 1) if xs else None
+
+
+def run_http_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
+    """Run the demo on the serve route; ``progress(stage, detail)`` is told what is happening."""
+    import httpx
+
+    say = progress or (lambda stage, detail="": None)
+    n = opts.requests
+    if n < opts.cancel + 2:
+        raise ValueError(f"--requests {n}: needs at least --cancel ({opts.cancel}) + 2 "
+                         f"(one completed through the router, one malformed)")
+    workdir = Path(opts.workdir or tempfile.mkdtemp(prefix="kvhandoff-demo-http-"))
+    model = str(write_tiny_model(opts.model, workdir / f"model-{opts.model}"))
+    say("model", model)
+    run = _Run(opts, workdir, model)
+    prompts = text_prompts(n, 40, 120, opts.seed)
+    rids = list(range(n))
+    cancel = set(rids[1:1 + 3 * opts.cancel:3][:opts.cancel])
+    malformed = rids[-1]
+    routed = [i for i in rids if i not in cancel and i != malformed]
+    out = opts.output_tokens
+    t0 = time.monotonic()
+    try:
+        p, d = run.start()
+        say("starting", f"vllm serve P (core 0) and D (core 1); logs in {workdir}")
+        p.wait_ready()
+        d.wait_ready()
+        start_s = time.monotonic() - t0
+        run.router = _Router(p.url, d.url)
+        say("ready", f"engines up in {start_s:.0f}s; router at {run.router.url}")
+        procs = _processes(p) | _processes(d)
+        client = httpx.Client(timeout=HTTP_TIMEOUT_S)
+
+        say("reference", f"{n} prompts decoded by P alone")
+        with ThreadPoolExecutor(n) as pool:
+            ref = list(pool.map(lambda i: _completion(client.post(
+                f"{p.url}/v1/completions", json=run.body(prompts[i], out))), rids))
+        bad_ref = [i for i in rids if ref[i]["status"] != 200]
+        if bad_ref:
+            raise EngineFailed(f"P's reference answers failed: {ref[bad_ref[0]]}")
+
+        def prefill(i: int) -> dict[str, Any]:
+            """The router's first half: P prefills, its answer carries D's parameters."""
+            r = client.post(f"{p.url}/v1/completions", json=run.body(
+                prompts[i], 1, kv_transfer_params={"do_remote_decode": True}))
+            r.raise_for_status()
+            return r.json()["kv_transfer_params"]
+
+        def through_router(i: int) -> dict[str, Any]:
+            url, body = f"{run.router.url}/v1/completions", run.body(prompts[i], out)
+            t = time.monotonic()
+            res = (_streamed(client, url, body) if routed.index(i) % 2
+                   else _completion(client.post(url, json=body)))
+            return res | {"latency_ms": (time.monotonic() - t) * 1e3}
+
+        def cancelled_mid_read(i: int) -> dict[str, Any]:
+            params = prefill(i)
+            rid = params["remote_request_id"]
+            data = json.dumps(run.body(prompts[i], out, kv_transfer_params={
+                **params, DEBUG_DELAY_KEY: opts.slow_read_s})).encode()
+            # A raw socket: an HTTP client would wait for the answer's headers, which a
+            # non-streaming request only gets at the end.
+            with socket.create_connection(("127.0.0.1", d.spec.port)) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: d\r\nContent-Type: "
+                             b"application/json\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
+                _wait(lambda: any(e.kind == "reads_posted" for e in _events(run.d_log, rid)),
+                      60, f"D to post the READ of {rid}")
+            return {"rid": rid}  # closed: vLLM's API server aborts the request
+
+        def garbage(i: int) -> dict[str, Any]:
+            params = prefill(i)
+            bad = {**params, "remote_block_ids": [[-1, "not-a-block"]]}
+            r = client.post(f"{d.url}/v1/completions",
+                            json=run.body(prompts[i], out, kv_transfer_params=bad))
+            return {"rid": params["remote_request_id"], "status": r.status_code,
+                    "error": r.text[:300]}
+
+        say("batch", f"{n} requests: {len(routed)} through the router, {len(cancel)} cancelled "
+                     f"mid-read, 1 malformed")
+        jobs = {i: (cancelled_mid_read if i in cancel else garbage if i == malformed
+                    else through_router) for i in rids}
+        with ThreadPoolExecutor(n) as pool:
+            got = dict(zip(rids, pool.map(lambda i: jobs[i](i), rids), strict=True))
+
+        say("draining", "waiting for P to free every exported request")
+
+        def all_freed() -> bool:
+            evs = _events(run.p_log)
+            exported = {e.request_id for e in evs if e.kind == "exported"}
+            freed = {e.request_id for e in evs if e.kind == "freed"}
+            return bool(exported) and exported <= freed
+        try:
+            _wait(all_freed, opts.lease_s + 30, "P to free every exported request", 0.2)
+        except TimeoutError:
+            pass  # counted below: p_frees < p_exports
+        engine_restarts = _gone(procs) + sum(not s.alive() for s in run.servers)
+        # A restarted engine moves its predecessor's log aside (<engine>.P0.<time>.jsonl).
+        engine_restarts += len(list(run.log_dir.glob("demo-*.*.*.jsonl")))
+        client.close()
+    finally:
+        exit_codes = run.stop()
+    logs = [str(run.p_log), str(run.d_log)]
+    say("replay", " ".join(logs))
+    analysis = analyse_logs(logs)
+
+    completed = [i for i in routed if got[i]["status"] == 200
+                 and got[i]["finish_reason"] == "length"]
+    mismatched = [i for i in completed if (got[i]["text"], got[i]["token_ids"])
+                  != (ref[i]["text"], ref[i]["token_ids"])]
+    failed = {i: got[i] for i in routed if i not in completed}
+
+    def mid_read(i: int) -> bool:
+        k = [e.kind for e in _events(run.d_log, got[i]["rid"])]
+        return ("reads_posted" in k and "client_cancelled" in k and "split_completed" in k
+                and k.index("reads_posted") < k.index("client_cancelled")
+                < k.index("split_completed"))
+    m = got[malformed]
+    return {
+        "model": opts.model,
+        "route": "http",
+        "requests": n,
+        "through_router": len(routed),
+        "streamed": sum(1 for i in routed if got[i].get("streamed")),
+        "completed": len(completed),
+        "failed": {str(i): r for i, r in failed.items()},
+        "tokens_match": bool(completed) and not mismatched,
+        "mismatched": mismatched,
+        "distinct_outputs": len({tuple(got[i]["token_ids"]) for i in completed}),
+        "cancel_planned": len(cancel),
+        "cancelled": sum(mid_read(i) for i in cancel),
+        "rejected": int(m["status"] >= 400),
+        "malformed_status": m["status"],
+        "malformed_rejected_in_d_log": any(e.kind == "rejected"
+                                           for e in _events(run.d_log, m["rid"])),
+        "engine_restarts": engine_restarts,
+        "exit_codes": exit_codes,
+        "p_exports": analysis["p_exports"],
+        "p_frees": analysis["p_frees"],
+        "double_frees": analysis["double_frees"],
+        "lease_expiries": analysis["lease_expiries"],
+        "notify_only_releases": analysis["notify_only_releases"],
+        "replay_violations": analysis["replay_violations"],
+        "violations": analysis["violations"],
+        "state_hash": analysis["state_hash"],
+        "latency_ms_median": _median([got[i]["latency_ms"] for i in completed]),
+        "engine_start_s": round(start_s, 1),
+        "event_logs": logs,
+        "replay_command": "kvhandoff replay --check " + " ".join(logs),
+        "serve_logs": [str(s.log_path) for s in run.servers],
+        "workdir": str(workdir),
+    }
+
+
+def http_demo_ok(s: dict[str, Any]) -> bool:
+    return (s["completed"] == s["through_router"] and s["tokens_match"]
+            and s["cancelled"] == s["cancel_planned"] and s["rejected"] == 1
+            and s["engine_restarts"] == 0 and s["p_frees"] == s["p_exports"] > 0
+            and s["double_frees"] == 0 and s["replay_violations"] == 0)
