@@ -39,6 +39,8 @@ class ServeSpec:
     kv_load_failure_policy: str = "fail"
     cpus: str = ""  # VLLM_CPU_OMP_THREADS_BIND for this engine's worker (CPU build), e.g. "1"
     extra_args: tuple[str, ...] = ()  # more `vllm serve` flags, e.g. --no-enable-prefix-caching
+    host: str = "127.0.0.1"  # the HTTP server's address (--host), e.g. another 127/8 "host"
+    env: dict[str, str] = field(default_factory=dict)  # more environment, e.g. UCX_TLS
 
     def kv_transfer_config(self) -> dict[str, Any] | None:
         if self.role == "plain":
@@ -55,7 +57,7 @@ class ServeSpec:
 
     def argv(self) -> list[str]:
         vllm = str(Path(sys.executable).with_name("vllm"))
-        argv = [vllm, "serve", self.model_dir, "--port", str(self.port), "--host", "127.0.0.1",
+        argv = [vllm, "serve", self.model_dir, "--port", str(self.port), "--host", self.host,
                 "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "--seed", "0"]
         kvt = self.kv_transfer_config()
         if kvt is not None:
@@ -68,13 +70,14 @@ class ServeProcess:
         spec.port = spec.port or free_port()
         spec.side_channel_port = spec.side_channel_port or free_port()
         self.spec = spec
-        self.url = f"http://127.0.0.1:{spec.port}"
+        self.url = f"http://{spec.host}:{spec.port}"
         self.log_path = workdir / f"{spec.name}.serve.log"
         env = engine_env(EngineSpec(spec.name, spec.role, spec.model_dir, control=""))
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # vllm serve as operators run it
         env["VLLM_LOGGING_LEVEL"] = os.environ.get("VLLM_LOGGING_LEVEL", "INFO")
         if spec.cpus:  # the worker pins itself there: keep P's and D's apart on small hosts
             env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpus
+        env.update(spec.env)
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(spec.argv(), env=env, stdout=logf,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
