@@ -255,3 +255,13 @@ def test_d_refuses_a_producer_outside_its_trusted_list_before_a_packet_leaves(
     finally:
         listener.close()
         d.close()
+
+
+def test_the_operator_guide_s_multi_node_block_is_what_these_tests_run():
+    """One source: the guide shows `two_hosts.guide_block()` verbatim, and the bench's
+    ``--transport tcp`` uses the same UCX settings."""
+    from kvhandoff.adapters.bench.nixl import TCP_ENV
+
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "operator-guide.md").read_text()
+    assert f"```bash\n{th.guide_block()}\n```" in guide
+    assert TCP_ENV == {"cpu": th.UCX_ENV, "cuda": th.UCX_ENV_CUDA}

@@ -61,6 +61,11 @@ def d_extra(side_channel_port: int, tp_size: int = 1) -> dict[str, Any]:
     return {"trusted_producers": [f"{P_HOST}:{side_channel_port + r}" for r in range(tp_size)]}
 
 
+def _kvt_json(cfg: dict[str, Any]) -> str:
+    """``--kv-transfer-config``'s JSON, one key a line (JSON allows the line breaks)."""
+    return "{" + ",\n    ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in cfg.items()) + "}"
+
+
 def guide_block(model: str = "meta-llama/Llama-3.1-8B-Instruct") -> str:
     """The operator guide's multi-node block: exactly the settings the two-host tests run."""
     from kvhandoff.adapters.vllm.serve import ServeSpec
@@ -69,8 +74,7 @@ def guide_block(model: str = "meta-llama/Llama-3.1-8B-Instruct") -> str:
     env = " ".join(f"{k}={v}" for k, v in UCX_ENV.items())
     p = ServeSpec("P", "prefill", model, "prefill-0", p_extra(ports["side_channel"]))
     d = ServeSpec("D", "decode", model, "decode-0", d_extra(ports["side_channel"]))
-    p_json = json.dumps(p.kv_transfer_config())
-    d_json = json.dumps(d.kv_transfer_config())
+    p_json, d_json = _kvt_json(p.kv_transfer_config()), _kvt_json(d.kv_transfer_config())
     return "\n".join([
         f"# P, on node A ({P_HOST} in the tests)",
         f"export {env}",
