@@ -15,6 +15,16 @@ On one node, VRAM-to-VRAM READs run as CUDA IPC gathers (``path:
 cuda_ipc``; see `kvhandoff.transports.nixl.cuda_ipc`); ``--no-vram-ipc``
 measures NIXL/UCX alone (``path: nixl``).
 
+``--transport tcp`` runs the same READs the way they travel between nodes:
+UCX restricted to its network transport (`TCP_ENV`: ``tcp`` on ``lo``, plus
+``cuda_copy`` to stage VRAM; no ``cma``, shared memory or CUDA IPC, and no
+CUDA IPC gathers), with the READ's UCX protocol read back from UCX's own
+report (``read_protocols``).  Its baseline is a same-run socket copy of the
+same bytes between two processes (``127.0.0.2`` to ``127.0.0.1``, the
+two-host addresses of tests/two_hosts.py): the limit of that path here.  On
+cuda the device-to-device copy stays the baseline and the socket copy is
+reported beside it (``socket_GBps``).
+
 Also measured: the time to register all regions (``registration_ms``, on D),
 and the CPU an idle agent burns (``idle_cpu_percent``, P and D after the
 READs), next to what NIXL's stock busy-spinning progress thread burns
@@ -25,11 +35,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import datetime as dt
+import glob
+import multiprocessing as mp
 import os
 import platform
+import re
+import socket
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -95,6 +111,15 @@ LAYOUTS: dict[str, tuple[KVLayout, ...]] = {
 }
 PAYLOAD = {"cpu": 256 * MiB, "cuda": 1024 * MiB}
 
+# --transport tcp: UCX as between nodes (the two-host tests' settings, tests/two_hosts.py,
+# which a test keeps equal): the network transport alone, on the loopback interface.
+TCP_ENV = {
+    "cpu": {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"},
+    "cuda": {"UCX_TLS": "tcp,cuda_copy", "UCX_NET_DEVICES": "lo"},
+}
+P_HOST, D_HOST = "127.0.0.2", "127.0.0.1"  # the socket baseline's two "hosts"
+SAME_NODE_TRANSPORTS = ("cma", "posix", "sysv", "xpmem", "knem", "cuda_ipc")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -107,6 +132,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="UCX worker threads posting one READ (NIXL num_threads)")
     parser.add_argument("--no-vram-ipc", action="store_true",
                         help="send VRAM READs through NIXL/UCX even on one node (no CUDA IPC gather)")
+    parser.add_argument("--transport", choices=("default", "tcp"), default="default",
+                        help="tcp: UCX's network transport only, as between nodes (see TCP_ENV); "
+                             "baseline: a socket copy between two processes")
     parser.add_argument("--idle-seconds", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=7)
 
@@ -128,24 +156,70 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def _run(args: argparse.Namespace) -> dict:
-    from kvhandoff.transports.base import KVRegion, MemoryKind
-    from kvhandoff.transports.nixl import NixlOptions, NixlTransport, ReadSplit, runs_array
-    from kvhandoff.transports.nixl.process import TransportProcess, pattern
+    from kvhandoff.transports.base import MemoryKind
+    from kvhandoff.transports.nixl import NixlOptions
 
     device = args.device
     payload = (args.payload_mib * MiB) if args.payload_mib else PAYLOAD[device]
     kind = MemoryKind.VRAM if device == "cuda" else MemoryKind.DRAM
     defaults = NixlOptions()
     delay = defaults.progress_delay_us if args.progress_delay_us is None else args.progress_delay_us
-    options = NixlOptions(progress_delay_us=delay, num_threads=args.threads,
-                          vram_ipc=not args.no_vram_ipc)
+    tcp = getattr(args, "transport", "default") == "tcp"
+    vram_ipc = not args.no_vram_ipc and not tcp  # between nodes there is no CUDA IPC
+    options = NixlOptions(progress_delay_us=delay, num_threads=args.threads, vram_ipc=vram_ipc)
+    env: dict[str, str] = {}
+    evidence = ""
+    if tcp:
+        env = dict(TCP_ENV[device])
+        if not _ucx_loaded():  # UCX reads its log settings when it loads
+            evidence = tempfile.mkdtemp(prefix="kvh-bench-ucx-")
+            env |= {"UCX_PROTO_INFO": "y", "UCX_LOG_FILE": os.path.join(evidence, "ucx-%p.log")}
+    saved_env = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # D is this process: before its agent (and UCX's context) starts
     layouts = LAYOUTS[device]
     views, plans = _views(layouts, payload)
     rng = np.random.default_rng(args.seed)
     tag = f"{os.getpid()}"
 
     xp = _Arrays(device)
-    with TransportProcess(f"bench-P-{tag}", options) as p:
+    try:
+        result = _measure(args, device, payload, kind, options, layouts, views, plans, rng, tag,
+                          xp, env)
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    idle_default = _idle_default(args.idle_seconds)
+    result |= {
+        "device": device,
+        "machine": xp.machine(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "payload_bytes": payload,
+        "reps": args.reps,
+        "idle_cpu_percent_nixl_default": round(idle_default, 2),
+        "options": {"progress_delay_us": delay, "num_threads": args.threads,
+                    "vram_ipc": vram_ipc, "transport": "tcp" if tcp else "default"},
+        "versions": _versions(),
+        "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")} | env,
+    }
+    if tcp:
+        result["read_protocols"] = (read_protocols(evidence) if evidence
+                                    else "not recorded: UCX was loaded before the bench set "
+                                         "UCX_PROTO_INFO")
+    result["targets"] = _targets(device, result)
+    return result
+
+
+def _measure(args, device, payload, kind, options, layouts, views, plans, rng, tag, xp,
+             env) -> dict:
+    from kvhandoff.transports.base import KVRegion
+    from kvhandoff.transports.nixl import NixlTransport, ReadSplit, runs_array
+    from kvhandoff.transports.nixl.process import TransportProcess, pattern
+
+    tcp = bool(env)
+    with TransportProcess(f"bench-P-{tag}", options, env=env) as p:
         p.allocate_views(kind, 0, payload, args.seed, views)
         d = NixlTransport(f"bench-D-{tag}", options)
         try:
@@ -158,7 +232,10 @@ def _run(args: argparse.Namespace) -> dict:
             peer = d.add_peer(p.metadata())
             p.add_peer(d.metadata())
             expected = xp.pattern(pattern, args.seed, payload)
-            baseline = _baseline(xp, expected, dst, args.reps)
+            copy_gbps = _baseline(xp, expected, dst, args.reps)
+            socket_gbps = _socket_baseline(args.seed, payload, args.reps) if tcp else None
+            # cpu over tcp: the socket is the path's limit; cuda: the D2D copy stays the baseline
+            baseline = socket_gbps if (tcp and device == "cpu") else copy_gbps
             rows = []
             for layout, plan in zip(layouts, plans, strict=True):
                 nb = plan["num_blocks"]
@@ -179,6 +256,10 @@ def _run(args: argparse.Namespace) -> dict:
                     verified &= xp.verify(dst, expected, [views[i] for i in plan["index"]],
                                           order)
                 read_gbps = moved / statistics.median(times) / 1e9
+                extra = {}
+                if socket_gbps is not None:
+                    extra = {"socket_GBps": round(socket_gbps, 3),
+                             "ratio_to_socket": round(read_gbps / socket_gbps, 4)}
                 rows.append({
                     "layout": layout.describe(),
                     "descriptors": descs,
@@ -192,33 +273,121 @@ def _run(args: argparse.Namespace) -> dict:
                     "read_ms_median": round(statistics.median(times) * 1e3, 3),
                     "verified": bool(verified),
                     "path": path,
-                })
+                } | extra)
             idle_p = p.call("idle_cpu_percent", args.idle_seconds)
             idle_d = _idle_cpu_percent(args.idle_seconds)
             registrations_d = len(d.registrations)
         finally:
             d.close()
-    idle_default = _idle_default(args.idle_seconds)
-    result = {
-        "device": device,
-        "machine": xp.machine(),
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "payload_bytes": payload,
-        "reps": args.reps,
+    _ucx_log_flush()  # P's UCX wrote its report when its process exited; ours is buffered
+    return {
         "rows": rows,
+        "baseline": ("socket copy between two processes" if tcp and device == "cpu"
+                     else "torch device-to-device copy" if device == "cuda" else "numpy copy"),
+        "copy_GBps": round(copy_gbps, 3),
         "registration_ms": round(registration_ms, 3),
         "regions": len(views),
         "registrations_d": registrations_d,
         "idle_cpu_percent": round(max(idle_p, idle_d), 2),
         "idle_cpu_percent_by_side": {"p": round(idle_p, 2), "d": round(idle_d, 2)},
-        "idle_cpu_percent_nixl_default": round(idle_default, 2),
-        "options": {"progress_delay_us": delay, "num_threads": args.threads,
-                    "vram_ipc": not args.no_vram_ipc},
-        "versions": _versions(),
-        "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")},
     }
-    result["targets"] = _targets(device, result)
-    return result
+
+
+def _socket_sender(port: int, seed: int, nbytes: int, reps: int) -> None:
+    """The socket baseline's sender (a spawned child): P's bytes, from P's "host" to D's."""
+    from kvhandoff.transports.nixl.process import pattern
+
+    data = memoryview(pattern(seed, nbytes).copy())
+    with socket.socket() as s:
+        s.bind((P_HOST, 0))
+        s.connect((D_HOST, port))
+        for _ in range(reps):
+            if s.recv(1) != b"g":
+                return
+            s.sendall(data)
+
+
+def _socket_baseline(seed: int, nbytes: int, reps: int) -> float:
+    """GB/s of a TCP socket copy of the READ's bytes between two processes (median of
+    ``reps``, one more to warm up), every copy verified: the limit of the tcp path here."""
+    from kvhandoff.transports.nixl.process import pattern
+
+    expected = pattern(seed, nbytes)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    with socket.socket() as listener:
+        listener.bind((D_HOST, 0))
+        listener.listen(1)
+        sender = mp.get_context("spawn").Process(
+            target=_socket_sender, args=(listener.getsockname()[1], seed, nbytes, reps + 1),
+            daemon=True, name="kvh-bench-socket-sender")
+        sender.start()
+        listener.settimeout(60)
+        conn, _ = listener.accept()
+        times = []
+        with conn:
+            view = memoryview(dst)
+            for _ in range(reps + 1):
+                dst.fill(0)
+                t0 = time.perf_counter()
+                conn.sendall(b"g")
+                got = 0
+                while got < nbytes:
+                    n = conn.recv_into(view[got:], nbytes - got)
+                    if n == 0:
+                        raise RuntimeError("socket baseline: the sender went away")
+                    got += n
+                times.append(time.perf_counter() - t0)
+                if not np.array_equal(dst, expected):
+                    raise RuntimeError("socket baseline: the bytes differ")
+        sender.join(30)
+    return nbytes / statistics.median(times[1:]) / 1e9
+
+
+def _ucx_loaded() -> bool:
+    with open("/proc/self/maps") as maps:
+        return any("libucs" in line for line in maps)
+
+
+def _ucx_log_flush() -> None:
+    """Write out this process's buffered UCX log (UCX flushes it only at exit or on errors)."""
+    with open("/proc/self/maps") as maps:
+        paths = [line.split()[-1] for line in maps if "libucs" in line and "/" in line]
+    if not paths:
+        return
+    try:
+        ctypes.CDLL(paths[0], mode=os.RTLD_NOLOAD | os.RTLD_LAZY).ucs_log_flush()
+    except (OSError, AttributeError):
+        pass
+
+
+_ROW = re.compile(r"\|\s*[\d.]+(?:inf)?\s*\|\s*([^|]+?)\s*\|\s*([^|]+?)\s*\|")
+
+
+def read_protocols(log_dir: str) -> dict:
+    """The protocols UCX reported (``UCX_PROTO_INFO``) for READs, from its log files.
+
+    ``reads``: for each "remote memory read" table, what it says and the
+    (method, lanes) of each size range; ``same_node_transports``: any of
+    `SAME_NODE_TRANSPORTS` named in any table of any process (none over tcp).
+    """
+    reads: list[dict] = []
+    seen: set[str] = set()
+    for path in sorted(glob.glob(os.path.join(log_dir, "ucx-*.log"))):
+        with open(path, errors="replace") as f:
+            lines = [re.sub(r"^\[[^]]*\] \[[^]]*\]\s*", "", x) for x in f]
+        for i, line in enumerate(lines):
+            seen.update(t for t in SAME_NODE_TRANSPORTS
+                        if line.startswith("|") and re.search(rf"\b{t}/", line))
+            if line.startswith("|") and "remote memory read" in line:
+                rows = []
+                for nxt in lines[i + 1:]:
+                    if "cfg#" in nxt or not nxt.startswith(("|", "+")):
+                        break
+                    m = _ROW.search(nxt)
+                    if m and m.group(1) != "Description":
+                        rows.append(f"{m.group(1)} {m.group(2)}")
+                reads.append({"what": line.strip().strip("|").strip(), "rows": rows})
+    return {"reads": reads, "same_node_transports": sorted(seen)}
 
 
 def _views(layouts, payload):
@@ -306,9 +475,15 @@ def _targets(device: str, r: dict) -> dict:
         out["ratio_ge_0.25_at_8192_plus_descriptors"] = all(x["ratio"] >= 0.25 for x in many)
         out["post_le_1us_per_descriptor_at_65536"] = all(
             x["post_us_per_descriptor"] <= 1.0 for x in top)
-    else:
+    elif r["options"]["transport"] == "default":
         big = [x for x in rows if x["descriptor_bytes"] >= MiB]
         out["ratio_ge_0.7_for_blocks_ge_1MiB"] = all(x["ratio"] >= 0.7 for x in big)
+    if r["options"]["transport"] == "tcp":
+        proto = r.get("read_protocols")
+        if isinstance(proto, dict):
+            out["reads_over_tcp_only"] = bool(proto["reads"]) and all(
+                row.split()[-1].startswith("tcp/") for x in proto["reads"] for row in x["rows"]) \
+                and not proto["same_node_transports"]
     return out
 
 
