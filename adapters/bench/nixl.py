@@ -467,7 +467,7 @@ def _targets(device: str, r: dict) -> dict:
     rows = r["rows"]
     out: dict[str, bool] = {"all_verified": all(x["verified"] for x in rows),
                             "idle_le_10pct": r["idle_cpu_percent"] <= 10.0}
-    if device == "cuda":
+    if device == "cuda" and r["options"]["transport"] == "default":
         big = [x for x in rows if x["descriptor_bytes"] >= 256 * 1024]
         many = [x for x in rows if x["descriptors"] >= 8192]
         top = [x for x in rows if x["descriptors"] >= 60000]
@@ -475,7 +475,7 @@ def _targets(device: str, r: dict) -> dict:
         out["ratio_ge_0.25_at_8192_plus_descriptors"] = all(x["ratio"] >= 0.25 for x in many)
         out["post_le_1us_per_descriptor_at_65536"] = all(
             x["post_us_per_descriptor"] <= 1.0 for x in top)
-    elif r["options"]["transport"] == "default":
+    elif device == "cpu" and r["options"]["transport"] == "default":
         big = [x for x in rows if x["descriptor_bytes"] >= MiB]
         out["ratio_ge_0.7_for_blocks_ge_1MiB"] = all(x["ratio"] >= 0.7 for x in big)
     if r["options"]["transport"] == "tcp":
