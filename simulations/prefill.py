@@ -2,10 +2,12 @@
 
 P has ``tp`` ranks.  Its scheduler allocates block ids once for all ranks
 (as vLLM's does); each rank is one transport agent holding its shard of the
-KV in its own memory, keeps its own lease per request (its own `Ledger`
-stream) and frees its copy when its fold says so.  Every decision comes from
-the core: which leases expired (`expired_leases`), what to free (`to_free`),
-what to answer a heartbeat (`lease_time_left`).
+KV in its own memory and drives one `core.producer.ProducerEngine` (its own
+stream): the same object the vLLM connector's P worker drives, so every
+decision (the lease, what to answer a heartbeat, which leases expired, what
+to free, exactly once) is the shipped code's.  What stays here is I/O and
+the model of vLLM 0.32's P (`DecodePolicy`): whom it names as a message's
+sender, whether it answers heartbeats, the lease it exports.
 """
 
 from __future__ import annotations
@@ -18,21 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvhandoff.core.errors import MalformedMessage
-from kvhandoff.core.events import (
-    Aborted,
-    Exported,
-    Freed,
-    HeartbeatReceived,
-    LeaseExpired,
-    PrefillStarted,
-    ReleaseNotified,
-    Side,
-    Stream,
-)
-from kvhandoff.core.ledger import Ledger
+from kvhandoff.core.events import Side, Stream
 from kvhandoff.core.lifecycle import LifecycleState, PState
 from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Release, decode, encode
-from kvhandoff.core.policy import expired_leases, lease_time_left, to_free
+from kvhandoff.core.producer import ProducerEngine
 from kvhandoff.simulations import kv
 from kvhandoff.simulations.config import RunConfig
 from kvhandoff.simulations.loop import EngineLoop
@@ -99,7 +90,10 @@ class PrefillEngine:
         self.streams = [Stream(name, Side.P, r) for r in range(cfg.tp)]
         # The D ranks that read each P rank, and so must each release it.
         self.consumers = [tuple(range(r * k, (r + 1) * k)) for r in range(cfg.tp)]
-        self.ledgers = [Ledger(s, self.state, sink) for s in self.streams]
+        # (vLLM extends by 2/3 of the lease; the core extends by the exported
+        # lease, so that model exports 2/3 of it: docs/simulation.md.)
+        self.engines = [ProducerEngine(s, cfg.lease_s * policy.lease_extension, self.state, sink)
+                        for s in self.streams]
         self.pool = SimBlockPool(self.agents, cfg.p_blocks)
         self.queue: deque[SimRequest] = deque()
         self.prefilling: dict[str, SimRequest] = {}
@@ -148,8 +142,9 @@ class PrefillEngine:
         for rid in self.aborts:
             self.prefilling.pop(rid, None)
             self.prefilled = [r for r in self.prefilled if r.rid != rid]
-            for ledger in self.ledgers:
-                ledger.record(Aborted, rid, now, reason="client cancelled during prefill")
+            for rank, engine in enumerate(self.engines):
+                engine.aborted(rid, now, reason="client cancelled during prefill")
+                self.pool.free(self.blocks[rid], rank)  # the host engine frees an abort itself
         if self.aborts:
             self._changed = True
         self.aborts.clear()
@@ -159,11 +154,8 @@ class PrefillEngine:
             ids = self.blocks[req.rid]
             # Only the engine that receives the transfer parameters can release.
             token = f"{self.rng.getrandbits(64):016x}" if self.policy.mint_tokens else ""
-            # (vLLM extends by 2/3 of the lease; the core extends by the exported
-            # lease, so that model exports 2/3 of it: docs/simulation.md.)
-            lease_s = cfg.lease_s * self.policy.lease_extension
             per_group = self._group_lists(req, ids)
-            for rank, ledger in enumerate(self.ledgers):
+            for rank, engine in enumerate(self.engines):
                 if per_group is None:
                     kv.write(self.words[rank], ids, req.serial, rank)
                 else:
@@ -172,9 +164,7 @@ class PrefillEngine:
                         kv.write(self.words[rank], group_ids, req.serial, rank, g.index, first)
                 # One lease, one free for every group of the request (vLLM delays
                 # the free of all groups at once: docs/hybrid.md 1.5).
-                ledger.record(Exported, req.rid, now, lease_s=lease_s,
-                              consumer_ranks=self.consumers[rank], num_blocks=len(ids),
-                              token=token)
+                engine.exported(req.rid, now, len(ids), self.consumers[rank], token)
             block_ids = list(ids) if per_group is None else [list(g) for g in per_group]
             self.on_exported(req, TransferParams(req.rid, self.name, tuple(range(cfg.tp)),
                                                  block_ids, len(ids), token, req.num_tokens))
@@ -186,8 +176,8 @@ class PrefillEngine:
                 break
             req = self.queue.popleft()
             self.blocks[req.rid] = ids
-            for ledger in self.ledgers:
-                ledger.record(PrefillStarted, req.rid, now)
+            for engine in self.engines:
+                engine.prefill_started(req.rid, now)
             self.prefilling[req.rid] = req
             self.clock.call_at(now + cfg.prefill_s_per_block * len(ids), self._prefill_done, req)
         if self._changed:
@@ -213,18 +203,25 @@ class PrefillEngine:
         """The handshake told us that transport peer ``agent`` is ``engine``'s rank ``rank``."""
         self.peer_identity[agent] = (engine, rank)
 
-    def _sender(self, rank: int, peer: str, msg: Release | Heartbeat) -> tuple[str, int]:
-        """Who sent ``msg``: the transport peer, or (vLLM) nobody in particular.
+    def _sender(self, rank: int, peer: str,
+                msg: Release | Heartbeat) -> tuple[Release | Heartbeat, str]:
+        """``msg`` as its sender is vouched for, and who that is: the transport peer (engine
+        and rank from the handshake), or (vLLM) nobody in particular.
 
         vLLM counts every ``"<req_id>:<N>"`` notification with no sender check
         and no per-rank dedupe: the model names every sender alike and gives
         each release the next consumer rank P still waits for.
         """
-        if self.policy.checks_sender:
-            return self.peer_identity.get(peer, (f"unknown:{peer}", -1))
-        rec = self.state.record(self.streams[rank], getattr(msg, "request_id", ""))
-        waiting = [r for r in getattr(rec, "expected", ()) if r not in rec.notified]
-        return "any", (waiting[0] if waiting else 0)
+        if self.policy.checks_sender:  # the handshake vouches for engine and rank
+            engine, rank = self.peer_identity.get(peer, (f"unknown:{peer}", -1))
+            if isinstance(msg, Release):
+                msg = Release(msg.request_id, msg.engine, rank, msg.token)
+            return msg, engine
+        if isinstance(msg, Release):
+            rec = self.state.record(self.streams[rank], msg.request_id)
+            waiting = [r for r in getattr(rec, "expected", ()) if r not in rec.notified]
+            msg = Release(msg.request_id, msg.engine, waiting[0] if waiting else 0, msg.token)
+        return msg, "any"
 
     def _on_notification(self, rank: int, peer: str, message: bytes, now: float) -> None:
         try:
@@ -232,26 +229,15 @@ class PrefillEngine:
         except MalformedMessage:
             self.malformed += 1
             return
-        ledger = self.ledgers[rank]
-        self._changed = True
-        if isinstance(msg, Release):
-            engine, consumer_rank = self._sender(rank, peer, msg)
-            ledger.record(ReleaseNotified, msg.request_id, now, from_engine=engine,
-                          consumer_rank=consumer_rank, token=msg.token)
-        elif isinstance(msg, Heartbeat):
-            engine, _ = self._sender(rank, peer, msg)
-            left = {}
-            stream = self.streams[rank]
-            for i, rid in enumerate(msg.request_ids):
-                token = msg.token_of(i)
-                ledger.record(HeartbeatReceived, rid, now, from_engine=engine, token=token)
-                left[rid] = lease_time_left(self.state, stream, rid, now, engine=engine,
-                                            token=token)
-            if self.policy.acknowledges:
-                self.agents[rank].send_notif(peer, encode(HeartbeatAck(self.name, rank,
-                                                                        msg.sent_at, left)))
-        else:
+        if isinstance(msg, HeartbeatAck):
             self.malformed += 1  # P never expects an acknowledgement
+            return
+        self._changed = True
+        msg, sender = self._sender(rank, peer, msg)
+        step = self.engines[rank].on_notification(sender, msg, now)
+        if self.policy.acknowledges:
+            for _, ack in step.acks:
+                self.agents[rank].send_notif(peer, encode(ack))
 
     def _reap(self, now: float) -> int:
         if now >= self._nearest:
@@ -259,21 +245,14 @@ class PrefillEngine:
         if not self._changed:
             return 0
         freed = 0
-        for rank, (stream, ledger) in enumerate(zip(self.streams, self.ledgers, strict=True)):
-            for rid in expired_leases(self.state, stream, now):
-                ledger.record(LeaseExpired, rid, now)
-            for rid in to_free(self.state, stream):
-                ledger.record(Freed, rid, now)
+        for rank, engine in enumerate(self.engines):
+            for rid in engine.poll(now).freed:
                 self.pool.free(self.blocks[rid], rank)
                 freed += 1
         return freed
 
     def _arm_lease_timer(self) -> None:
-        nearest = float("inf")
-        for stream in self.streams:
-            for rec in self.state.stream(stream).requests.values():
-                if rec.state is PState.EXPORTED and rec.deadline < nearest:
-                    nearest = rec.deadline
+        nearest = min(engine.next_deadline() for engine in self.engines)
         self._nearest = nearest
         if nearest < float("inf"):
             self.loop.wake_at(nearest)

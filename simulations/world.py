@@ -369,6 +369,8 @@ class World:
             "ignored_notifications": ignored,
             "lease_expiries": expiries,
             "events": len(self.p_lines) + len(self.d_lines),
+            # events P's engines refused (a bug of the driver or the engine: never expected)
+            "refused_events": sum(e.counts["refused_events"] for e in p.engines),
         }
         p_log = b"".join(line + b"\n" for line in self.p_lines)
         d_log = b"".join(line + b"\n" for line in self.d_lines)
@@ -382,7 +384,7 @@ class World:
     def violations(self, m: dict[str, int]) -> list[dict]:
         out = []
         for name in ("served_corrupt", "served_unproven", "double_frees", "leaks", "stuck",
-                     "overwritten_under_read"):
+                     "overwritten_under_read", "refused_events"):
             if m[name]:
                 out.append({"invariant": name, "count": m[name]})
         if m["freed_under_read"] and not self.cfg.exceeds_lease:

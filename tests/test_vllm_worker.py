@@ -361,14 +361,14 @@ def test_events_reach_the_os_every_step_without_a_flush(workers):
 def test_an_exception_answering_one_notification_costs_only_that_one(workers, monkeypatch):
     p, d, pc, dc, port = workers
     fired: list[int] = []
-    real = p._p_heartbeat
+    real = p.producer.on_notification
 
     def answer(*args, **kwargs):
         if not fired:
             fired.append(1)
             raise RuntimeError("injected into P's heartbeat answer")
         return real(*args, **kwargs)
-    monkeypatch.setattr(p, "_p_heartbeat", answer)
+    monkeypatch.setattr(p.producer, "on_notification", answer)
     with capture_logs() as logs:
         _done_handoff(p, d, port, "r10", "L10", (12,), "tok-10", [12])
     assert fired and [e["event"] for e in logs if e["log_level"] == "error"] == [
@@ -432,15 +432,15 @@ def test_a_request_that_fails_every_step_ends_once_and_p_frees_it_by_lease(worke
     assert expired > posted + delay  # never while the READ was in flight
 
 
-def test_p_reports_a_free_even_when_counting_it_raises_every_step(workers, monkeypatch):
+def test_p_reports_a_free_even_when_what_follows_it_raises_every_step(workers, monkeypatch):
     p, d, pc, dc, port = workers
-    real = p._count
+    real = p._p_send
 
-    def count(key, n=1):
-        if key == "frees":
-            raise RuntimeError("injected into P's counter")
-        return real(key, n)
-    monkeypatch.setattr(p, "_count", count)
+    def send(step):
+        if step.freed:
+            raise RuntimeError("injected after P's frees")
+        return real(step)
+    monkeypatch.setattr(p, "_p_send", send)
     _done_handoff(p, d, port, "r11", "L11", (13,), "tok-11", [13])  # vLLM hears r11 once
     assert _kinds(p, "r11").count("freed") == 1
 
@@ -455,13 +455,13 @@ def test_an_earlier_stage_raising_every_step_does_not_stop_d_reporting(workers, 
 
 def test_one_export_that_raises_costs_only_itself(workers, monkeypatch):
     p, d, pc, dc, port = workers
-    real = p._record
+    real = p.producer._record
 
     def record(event_type, rid, *args, **kwargs):
         if rid == "x1" and event_type.kind == "exported":
             raise RuntimeError("injected into one export")
         return real(event_type, rid, *args, **kwargs)
-    monkeypatch.setattr(p, "_record", record)
+    monkeypatch.setattr(p.producer, "_record", record)
     p.start_step(StepPlan(prefill_started=["x1", "x2"]))
     p.start_step(StepPlan(exports=[Export("x1", 1, "t1"), Export("x2", 1, "t2")]))
     p.finish_step()
@@ -518,19 +518,23 @@ def test_another_producers_request_with_a_known_id_is_not_called_a_reuse(workers
 def test_a_deferred_heartbeat_that_raises_costs_only_itself(workers, monkeypatch):
     p, d, pc, dc, port = workers
     answered: list[tuple[str, ...]] = []
-    real = p._p_heartbeat
+    real = p.producer._heartbeat
 
-    def answer(peer, msg, now, since):
+    def answer(peer, msg, now, since, step):
         if "a" in msg.request_ids:
             raise RuntimeError("injected into one deferred heartbeat, every time")
         answered.append(msg.request_ids)
-        return real(peer, msg, now, since)
-    monkeypatch.setattr(p, "_p_heartbeat", answer)
+        return real(peer, msg, now, since, step)
+    monkeypatch.setattr(p.producer, "_heartbeat", answer)
     with p.lock:  # two heartbeats that came before P folded the exports
         t = time.monotonic()
-        p._deferred += [(t, "no-peer", messages.Heartbeat("D-x", 0, t, (rid,), ()))
-                        for rid in ("a", "b")]
-    wait_for(lambda: ("b",) in answered, 5, "the deferred heartbeat of b to be answered")
+        p.producer._deferred += [(t, "no-peer", messages.Heartbeat("D-x", 0, t, (rid,), ()))
+                                 for rid in ("a", "b")]
+    with capture_logs() as logs:
+        p.finish_step()  # the engine step answers what waited
+    assert answered == [("b",)]
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == [
+        "producer.deferred_heartbeat_error"]
 
 
 # ---- hybrid models: a Gemma-3-style layout, two groups overlaid on one allocation ------

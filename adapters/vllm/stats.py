@@ -14,7 +14,7 @@ COUNTERS = (
     "heartbeats_sent", "heartbeats_received", "acks_sent", "acks_received",
     "reads_posted", "reads_completed", "reads_failed", "bytes_read",
     "notify_only_releases", "releases_sent", "rejected", "notifications_ignored",
-    "log_write_errors",
+    "log_write_errors", "refused_events",
 )
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,7 @@ from kvhandoff.core.lifecycle import LifecycleState
 from kvhandoff.core.log import LogWriter
 from kvhandoff.core.planning import prefill_backoff
 from kvhandoff.core.policy import to_forget
+from kvhandoff.core.producer import ProducerEngine
 from kvhandoff.transports.base import RegionMismatch
 from kvhandoff.transports.caches import kv_regions
 
@@ -99,7 +101,12 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self.log_degraded = False
         self.state = LifecycleState()
         self._last_prune = 0.0
-        self.ledger = Ledger(self.stream, self.state, sink=self.writer)
+        # P's decisions are its engine's; D's still live in the consumer half.
+        self.producer = (ProducerEngine(self.stream, cfg.lease_s, self.state, sink=self.writer)
+                         if side is Side.P else None)
+        self.ledger = (self.producer.ledger if self.producer is not None
+                       else Ledger(self.stream, self.state, sink=self.writer))
+        self._engine_counts_seen: Counter[str] = Counter()
         self.lock = threading.RLock()
         self.compat = dict(compat)
         self.trusted = TrustedProducers(cfg.trusted_producers)
@@ -113,7 +120,6 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self._server: SideChannelServer | None = None
         self._notif_thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._deferred: list[tuple[float, str, messages.Heartbeat]] = []
         self._report_sending: set[str] = set()  # freed, vLLM not told yet
         # D
         self._peers: dict[tuple[str, int], ProducerLink] = {}  # (host, port) -> peer
@@ -166,6 +172,11 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
 
     def take_stats(self) -> dict[str, Any]:
         with self.lock:
+            if self.producer is not None:
+                gained = self.producer.counts - self._engine_counts_seen
+                self._engine_counts_seen = self.producer.counts.copy()
+                for key, n in gained.items():
+                    self._count(key, n)
             out, self.stats = self.stats, kstats.empty()
             ss = self.state.streams.get(self.stream)
             ignored = sum(ss.ignored.values()) if ss else 0
@@ -249,6 +260,9 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         if now - self._last_prune < self.cfg.lease_s:
             return
         self._last_prune = now
+        if self.side is Side.P:
+            self.producer.forget(now)
+            return
         for rid in to_forget(self.state, self.stream, now, self.cfg.lease_s):
             self._record(Forgotten, rid, now)
 

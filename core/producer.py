@@ -1,0 +1,204 @@
+"""P's engine: every decision of one prefill rank, sans I/O.
+
+Theory of operation
+-------------------
+`ProducerEngine` owns one P rank's stream of the lifecycle (a `Ledger` over
+a `LifecycleState`) and makes that rank's decisions from its fold.  It
+performs no I/O and reads no clock: its driver feeds it what happened and
+carries out what it returns.
+
+* What the host engine did: ``prefill_started``, ``exported`` (the blocks
+  stay pinned under a lease), ``aborted`` (before the export: the host engine
+  frees those blocks itself).
+* What arrived: ``on_notification(sender, message, now)``.  ``sender`` is who
+  the driver vouches sent it (the transport peer, learned at the handshake),
+  never what the message claims.  A heartbeat is answered with a
+  `HeartbeatAck` for the driver to send back (``time_left`` per request,
+  `policy.lease_time_left`); a release is noted.
+* Time passing: ``poll(now)`` reaps expired leases and returns the requests
+  whose blocks must be freed now, each exactly once.  ``forget(now)`` drops
+  finished records (`policy.to_forget`), each a `Forgotten` event.
+
+A heartbeat can overtake its own export (vLLM's P hands out the parameters a
+step before its worker folds the export): ids still ``PREFILLING`` are held
+back and answered by a later ``poll`` once exported, or for what they are one
+lease later.
+
+The connector's P worker (`adapters.vllm.producer`) and the simulator's P
+(`simulations.prefill`) drive this same object; a model of vLLM 0.32's P is
+a driver choice (whom it names as sender, whether it sends the answer, the
+lease it exports), not another engine.
+
+An event the fold refuses is a bug of the driver or a hostile peer: it is
+logged, counted (``counts["refused_events"]``) and leaves the state
+unchanged; it never raises into the driver.  ``counts`` only grows: the
+driver reports what it gained since it last looked.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import structlog
+
+from kvhandoff.core.errors import LifecycleError
+from kvhandoff.core.events import (
+    Aborted,
+    Event,
+    Exported,
+    Forgotten,
+    Freed,
+    HeartbeatReceived,
+    LeaseExpired,
+    PrefillStarted,
+    ReleaseNotified,
+    Stream,
+)
+from kvhandoff.core.ledger import Ledger
+from kvhandoff.core.lifecycle import LifecycleState, ProducerRecord, PState
+from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Message, Release
+from kvhandoff.core.policy import expired_leases, lease_time_left, to_forget, to_free
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class ProducerStep:
+    """What the driver must do after an input: send these answers, free these requests."""
+
+    acks: list[tuple[str, HeartbeatAck]] = field(default_factory=list)  # (to whom, answer)
+    freed: list[str] = field(default_factory=list)  # free now (exactly once each)
+    expired: list[str] = field(default_factory=list)  # of the freed: their lease ran out
+
+
+class ProducerEngine:
+    """One P rank's lifecycle decisions (see the module docstring)."""
+
+    def __init__(self, stream: Stream, lease_s: float, state: LifecycleState | None = None,
+                 sink: Callable[[Event], None] | None = None) -> None:
+        self.stream = stream
+        self.lease_s = lease_s
+        self.ledger = Ledger(stream, state, sink)
+        self.state = self.ledger.state
+        self.counts: Counter[str] = Counter()
+        self._deferred: list[tuple[float, str, Heartbeat]] = []  # (first seen, sender, ids)
+
+    # ---- what the host engine did --------------------------------------------
+
+    def prefill_started(self, rid: str, now: float) -> None:
+        self._record(PrefillStarted, rid, now)
+
+    def exported(self, rid: str, now: float, num_blocks: int, consumer_ranks: Iterable[int],
+                 token: str = "", lease_s: float | None = None) -> bool:
+        """Prefill done: pin the blocks under a lease (``lease_s``: this engine's by default)."""
+        ok = self._record(Exported, rid, now, lease_s=self.lease_s if lease_s is None else lease_s,
+                          consumer_ranks=tuple(consumer_ranks), num_blocks=num_blocks, token=token)
+        if ok:
+            self.counts["leases_exported"] += 1
+        return ok
+
+    def aborted(self, rid: str, now: float, reason: str) -> None:
+        """The request ended on P before its export; the host engine frees its blocks itself."""
+        if self._record(Aborted, rid, now, reason=reason):
+            self._record(Freed, rid, now)
+
+    # ---- what arrived ------------------------------------------------------------
+
+    def on_notification(self, sender: str, msg: Message, now: float) -> ProducerStep:
+        step = ProducerStep()
+        if isinstance(msg, Heartbeat):
+            self.counts["heartbeats_received"] += 1
+            self._heartbeat(sender, msg, now, now, step)
+        elif isinstance(msg, Release):
+            self._record(ReleaseNotified, msg.request_id, now, from_engine=sender,
+                         consumer_rank=msg.rank, token=msg.token)
+        else:
+            self.counts["notifications_ignored"] += 1  # P never expects an acknowledgement
+        return step
+
+    def _heartbeat(self, sender: str, msg: Heartbeat, now: float, since: float,
+                   step: ProducerStep) -> None:
+        held = now - since < self.lease_s
+        waiting = tuple(rid for rid in msg.request_ids
+                        if isinstance(rec := self._rec(rid), ProducerRecord)
+                        and rec.state is PState.PREFILLING) if held else ()
+        if waiting:
+            self._deferred.append((since, sender, Heartbeat(
+                msg.engine, msg.rank, msg.sent_at, waiting,
+                tuple(msg.token_of(msg.request_ids.index(r)) for r in waiting)
+                if msg.tokens else ())))
+        left: dict[str, float] = {}
+        for i, rid in enumerate(msg.request_ids):
+            if rid in waiting:
+                continue
+            token = msg.token_of(i)
+            rec = self._rec(rid)
+            before = rec.deadline if isinstance(rec, ProducerRecord) else None
+            self._record(HeartbeatReceived, rid, now, from_engine=sender, token=token)
+            if before is not None and rec.deadline > before:  # the fold accepted it
+                self.counts["leases_extended"] += 1
+            left[rid] = lease_time_left(self.state, self.stream, rid, now, engine=sender,
+                                        token=token)
+        if left:
+            step.acks.append((sender, HeartbeatAck(self.stream.engine, self.stream.rank,
+                                                   msg.sent_at, left)))
+
+    # ---- time passing --------------------------------------------------------------
+
+    def poll(self, now: float) -> ProducerStep:
+        """Answer held-back heartbeats, reap expired leases, name what to free now."""
+        step = ProducerStep()
+        deferred, self._deferred = self._deferred, []
+        for since, sender, hb in deferred:
+            try:  # a peer's message costs only itself, whatever it does
+                self._heartbeat(sender, hb, now, since, step)
+            except Exception as exc:
+                self.counts["notifications_ignored"] += 1
+                log.error("producer.deferred_heartbeat_error", stream=str(self.stream),
+                          peer=sender, error=str(exc), error_type=type(exc).__name__)
+        for rid in expired_leases(self.state, self.stream, now):
+            if self._record(LeaseExpired, rid, now):
+                self.counts["leases_expired"] += 1
+                step.expired.append(rid)
+                log.warning("producer.lease_expired", stream=str(self.stream), request_id=rid,
+                            lease_s=self._rec(rid).lease_s)
+        for rid in to_free(self.state, self.stream):
+            released = self._rec(rid).state is PState.RELEASED
+            if self._record(Freed, rid, now):
+                step.freed.append(rid)
+                self.counts["frees"] += 1
+                self.counts["leases_released"] += released
+        return step
+
+    def forget(self, now: float) -> None:
+        for rid in to_forget(self.state, self.stream, now, self.lease_s):
+            self._record(Forgotten, rid, now)
+
+    def live(self) -> bool:
+        """Whether any request is prefilling or under a lease (the driver polls faster)."""
+        ss = self.state.streams.get(self.stream)
+        return ss is not None and any(r.state in (PState.EXPORTED, PState.PREFILLING)
+                                      for r in ss.requests.values())
+
+    def next_deadline(self) -> float:
+        """The earliest lease deadline (``inf`` with none): when ``poll`` has work at the latest."""
+        ss = self.state.streams.get(self.stream)
+        return min((r.deadline for r in ss.requests.values() if r.state is PState.EXPORTED),
+                   default=float("inf")) if ss is not None else float("inf")
+
+    # ---- bookkeeping -----------------------------------------------------------------
+
+    def _rec(self, rid: str) -> ProducerRecord | None:
+        return self.state.record(self.stream, rid)
+
+    def _record(self, event_type: type[Event], rid: str, t: float, **fields) -> bool:
+        try:
+            self.ledger.record(event_type, rid, t, **fields)
+            return True
+        except LifecycleError as exc:
+            self.counts["refused_events"] += 1
+            log.error("producer.refused_event", stream=str(self.stream), request_id=rid,
+                      event_kind=event_type.kind, error=str(exc))
+            return False

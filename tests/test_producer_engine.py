@@ -1,0 +1,131 @@
+"""P's engine as a specification: inputs in, effects out, no I/O and no clock.
+
+`core.producer.ProducerEngine` is what the vLLM connector's P worker and the
+simulator's P both drive; these tests feed it directly (time is an argument)
+and check what it returns and what its event log says against the rules of
+docs/lifecycle.md, not against its own code.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvhandoff.core.events import Side, Stream
+from kvhandoff.core.lifecycle import PState, fold
+from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Release
+from kvhandoff.core.producer import ProducerEngine
+from kvhandoff.core.replay import replay, state_hash
+
+P0 = Stream("prefill-0", Side.P, 0)
+LEASE = 10.0
+D_AGENT = "decode-0-agent"
+
+
+@pytest.fixture
+def engine():
+    log: list = []
+    e = ProducerEngine(P0, LEASE, sink=log.append)
+    e.log = log  # what the engine wrote, for the replay checks
+    return e
+
+
+def _exported(e: ProducerEngine, rid: str = "r1", t: float = 0.0, ranks=(0,), token="tok"):
+    e.prefill_started(rid, t)
+    assert e.exported(rid, t, 4, ranks, token)
+
+
+def _hb(rids, sent_at=0.0, tokens=None) -> Heartbeat:
+    return Heartbeat("decode-0", 0, sent_at, tuple(rids), tuple(tokens or ("tok",) * len(rids)))
+
+
+def _state(e: ProducerEngine, rid: str) -> PState | None:
+    rec = e.state.record(P0, rid)
+    return rec.state if rec is not None else None
+
+
+def test_a_heartbeat_is_answered_with_the_time_left_and_extends_the_lease(engine):
+    _exported(engine)
+    step = engine.on_notification(D_AGENT, _hb(["r1"], sent_at=3.9), 4.0)
+    (peer, ack), = step.acks
+    assert peer == D_AGENT and isinstance(ack, HeartbeatAck)
+    assert ack.sent_at == 3.9 and ack.time_left == {"r1": LEASE}  # now 4 + 10, asked at 4
+    assert engine.state.record(P0, "r1").deadline == 4.0 + LEASE
+    assert engine.poll(4.0 + LEASE - 0.001).freed == []  # alive until the new deadline
+
+
+def test_every_consumer_rank_s_release_frees_exactly_once(engine):
+    _exported(engine, ranks=(0, 1))
+    engine.on_notification(D_AGENT, Release("r1", "decode-0", 0, "tok"), 1.0)
+    assert engine.poll(1.0).freed == []  # rank 1 still reads
+    engine.on_notification(D_AGENT, Release("r1", "decode-0", 1, "tok"), 2.0)
+    assert engine.poll(2.0).freed == ["r1"]
+    assert engine.poll(3.0).freed == []  # once
+    assert engine.counts["frees"] == 1 and engine.counts["leases_released"] == 1
+
+
+def test_a_release_without_the_token_or_from_another_peer_frees_nothing(engine):
+    _exported(engine)
+    engine.on_notification(D_AGENT, _hb(["r1"]), 0.5)  # binds the request to D_AGENT
+    engine.on_notification(D_AGENT, Release("r1", "decode-0", 0, "guess"), 1.0)
+    engine.on_notification("stranger", Release("r1", "decode-0", 0, "tok"), 1.0)
+    assert engine.poll(1.0).freed == [] and _state(engine, "r1") is PState.EXPORTED
+    (_, ack), = engine.on_notification("stranger", _hb(["r1"]), 1.5).acks
+    assert ack.time_left == {"r1": -1.0}  # a stranger is told "gone", never "alive"
+
+
+def test_an_unheard_lease_expires_at_its_deadline_and_is_freed_once(engine):
+    _exported(engine, t=1.0)
+    assert engine.poll(1.0 + LEASE - 0.001).freed == []
+    step = engine.poll(1.0 + LEASE)
+    assert step.freed == ["r1"] and step.expired == ["r1"]
+    (_, ack), = engine.on_notification(D_AGENT, _hb(["r1"]), 12.0).acks
+    assert ack.time_left == {"r1": -1.0}  # gone, and no heartbeat revives it
+
+
+def test_a_heartbeat_that_overtakes_its_export_is_answered_once_exported(engine):
+    engine.prefill_started("r1", 0.0)
+    assert engine.on_notification(D_AGENT, _hb(["r1"], sent_at=0.1), 0.2).acks == []
+    engine.exported("r1", 0.3, 4, (0,), "tok")
+    (_, ack), = engine.poll(0.4).acks
+    assert ack.sent_at == 0.1 and ack.time_left["r1"] > 0
+
+
+def test_a_heartbeat_for_a_prefill_that_never_ends_is_answered_gone_after_a_lease(engine):
+    engine.prefill_started("r1", 0.0)
+    engine.on_notification(D_AGENT, _hb(["r1"]), 0.2)
+    assert engine.poll(0.2 + LEASE - 0.01).acks == []
+    (_, ack), = engine.poll(0.2 + LEASE).acks
+    assert ack.time_left == {"r1": -1.0}
+
+
+def test_an_abort_before_export_is_freed_by_the_host_engine_not_reported(engine):
+    engine.prefill_started("r1", 0.0)
+    engine.aborted("r1", 1.0, "client")
+    assert _state(engine, "r1") is PState.FREED
+    assert engine.poll(2.0).freed == []  # vLLM freed those blocks itself
+
+
+def test_an_event_the_fold_refuses_is_counted_never_raised(engine):
+    _exported(engine)
+    assert not engine.exported("r1", 1.0, 4, (0,), "tok")  # a second export
+    assert engine.counts["refused_events"] == 1 and _state(engine, "r1") is PState.EXPORTED
+
+
+def test_finished_requests_are_forgotten_two_leases_later_and_the_log_says_so(engine):
+    _exported(engine)
+    engine.on_notification(D_AGENT, Release("r1", "decode-0", 0, "tok"), 1.0)
+    engine.poll(1.0)
+    engine.forget(1.0 + 2 * LEASE)
+    assert _state(engine, "r1") is PState.FREED  # still answers precisely
+    engine.forget(1.0 + 2 * LEASE + 0.01)
+    assert _state(engine, "r1") is None
+    assert [e.kind for e in engine.log][-1] == "forgotten"
+    assert state_hash(fold(engine.log)) == state_hash(engine.state)
+    assert replay(engine.log).violations == []
+
+
+def test_deadlines_for_the_driver_s_timer(engine):
+    assert engine.next_deadline() == float("inf") and not engine.live()
+    _exported(engine, "a", t=0.0)
+    _exported(engine, "b", t=2.0)
+    assert engine.next_deadline() == LEASE and engine.live()
