@@ -1,10 +1,18 @@
-"""`kvhandoff replay LOG [LOG ...] [--request ID] [--until SEQ] [--check] [--partial] [--json]`.
+"""`kvhandoff replay LOG [LOG ...] [--request ID] [--until SEQ] [--check] [--partial] [--json]
+[--trace FILE] [--svg FILE]`.
 
 The text output passes every string that came from a log (request and engine
 ids, reasons, a violation's event and detail, a corrupt log's message) through
 `printable`: clients write some of them, and one event must stay one line with
 no control character reaching the terminal.  ``--json`` carries them exactly
 (JSON escapes them).
+
+``--trace FILE`` writes the logs as Chrome trace-event JSON (`core.trace`:
+open it in ui.perfetto.dev or chrome://tracing) and ``--svg FILE`` as a
+picture (`core.svg`); ``--request`` and ``--until`` narrow both as they narrow
+the timeline.  With either, the text output prints where they went instead of
+the per-request timeline (the summary and ``--check`` are unchanged);
+``--json`` adds ``trace`` / ``svg`` (the paths) to its object.
 """
 
 from __future__ import annotations
@@ -29,6 +37,9 @@ def add_parser(sub) -> None:
     p.add_argument("--partial", action="store_true",
                    help="accept logs without the P engines D's requests name")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--trace", metavar="FILE",
+                   help="write Chrome trace-event JSON (ui.perfetto.dev, chrome://tracing)")
+    p.add_argument("--svg", metavar="FILE", help="write the timeline as an SVG picture")
 
 
 def run(args) -> int:
@@ -37,13 +48,27 @@ def run(args) -> int:
     except (LogCorrupt, OSError) as e:
         print(f"kvhandoff replay: {printable(e)}", file=sys.stderr)
         return 2
-    result = replay(events, request=args.request, until=args.until, keep_timeline=not args.json)
+    drawn = args.trace or args.svg
+    result = replay(events, request=args.request, until=args.until,
+                    keep_timeline=not (args.json or drawn))
     summary = result.summary()
+    written: dict[str, str] = {}
+    if drawn:
+        try:
+            written = write_pictures(events, args)
+        except OSError as e:
+            print(f"kvhandoff replay: {printable(e)}", file=sys.stderr)
+            return 2
+        summary.update(written)
     missing = summary["missing_producers"]
     shown_missing = ", ".join(printable(engine) for engine in missing)
     summary["partial"] = bool(args.partial)
     if args.json:
         sys.stdout.write(orjson.dumps(summary).decode() + "\n")
+    elif written:
+        for what, path in written.items():
+            print(f"{what} written to {printable(path)}" + (
+                " (open it in ui.perfetto.dev or chrome://tracing)" if what == "trace" else ""))
     else:
         print(render_timeline(result.timeline))
         print(f"\n{summary['events']} events, {summary['requests']} requests, "
@@ -68,3 +93,29 @@ def run(args) -> int:
               f"{printable(first.detail)}", file=sys.stderr)
         return 1
     return 0
+
+
+def write_pictures(events: list, args) -> dict[str, str]:
+    """Write ``--trace`` and ``--svg`` for ``events`` narrowed as the timeline is; their paths."""
+    from kvhandoff.core.svg import render_svg
+    from kvhandoff.core.trace import timeline, trace_events
+
+    if args.until is not None:
+        events = [e for e in events if e.seq <= args.until]
+    if args.request is not None:
+        events = [e for e in events if e.request_id == args.request]
+    tl = timeline(events)
+    written: dict[str, str] = {}
+    if args.trace:
+        doc = {"traceEvents": trace_events(tl), "displayTimeUnit": "ms",
+               "otherData": {"source": "kvhandoff replay --trace",
+                             "clock": "each engine's own clock, as logged (ts = t x 10^6)"}}
+        with open(args.trace, "wb") as f:
+            f.write(orjson.dumps(doc))
+        written["trace"] = args.trace
+    if args.svg:
+        title = ", ".join(sorted({str(s) for s in tl.streams}))
+        with open(args.svg, "w", encoding="utf-8") as f:
+            f.write(render_svg([(title, tl)], request=args.request))
+        written["svg"] = args.svg
+    return written
