@@ -174,3 +174,13 @@ def test_a_span_left_open_ends_at_its_streams_last_event(tmp_path):
     assert request.end_args == {"open": True} and request.end == 3.0
     check_trace({"traceEvents": trace_events(tl), "displayTimeUnit": "ms"})
 
+
+def test_docs_show_the_current_cancel_during_read_picture():
+    from kvhandoff.adapters.pictures import cancel_during_read_svg
+
+    committed = ROOT / "docs" / "img" / "cancel_during_read.svg"
+    assert committed.read_text() == cancel_during_read_svg(), (
+        "redraw with: python -m kvhandoff.adapters.pictures docs/img/cancel_during_read.svg")
+    doc = (ROOT / "docs" / "lifecycle.md").read_text()
+    assert "img/cancel_during_read.svg" in doc
+    ET.fromstring(committed.read_text())
