@@ -42,23 +42,54 @@ from kvhandoff.core.errors import GeometryMismatch, MalformedMessage
 SCHEMA_VERSION = 1
 
 
+class Reads(StrEnum):
+    """What a hand-off reads of a group, by position in its block list."""
+
+    PROMPT = "prompt"  # every block holding a prompt token (block-aligned with the tokens)
+    WINDOW = "window"  # the blocks covering the last ``window`` tokens
+    SLOT = "slot"  # the one slot the request ends with; trailing scratch slots dropped
+
+
 class CacheKind(StrEnum):
-    """What a group holds, which decides what a hand-off reads of it."""
+    """What a group holds, which decides what a hand-off reads of it (`KIND_READS`)."""
 
     FULL_ATTENTION = "full_attention"  # every block of the prompt
     SLIDING_WINDOW = "sliding_window"  # the blocks covering the last ``window`` tokens
     INDEXER = "indexer"  # a sparse-attention indexer cache: block-aligned with the main KV
+    COMPRESSED_KEY = "compressed_key"  # one state per ``tokens_per_state`` tokens, main KV's table
+    KEY_RING = "key_ring"  # a per-request ring of raw keys (capacity = block_size): one block
     MAMBA_STATE = "mamba_state"  # conv + SSM state: the slot the request ends with
     LINEAR_STATE = "linear_state"  # linear-attention (GDN) state: likewise one slot
     LAYER_EMBEDDING = "layer_embedding"  # per-layer-embedding state: one slot, every rank
 
     @property
+    def reads(self) -> Reads:
+        return KIND_READS[self]
+
+    @property
     def reads_state(self) -> bool:
-        return self in _STATE_KINDS
+        return KIND_READS[self] is Reads.SLOT
 
 
-_STATE_KINDS = frozenset({CacheKind.MAMBA_STATE, CacheKind.LINEAR_STATE,
-                          CacheKind.LAYER_EMBEDDING})
+# The one table of what each kind reads; planning (`core.planning`) asks it, never the kind.
+KIND_READS: dict[CacheKind, Reads] = {
+    CacheKind.FULL_ATTENTION: Reads.PROMPT,
+    CacheKind.INDEXER: Reads.PROMPT,
+    CacheKind.COMPRESSED_KEY: Reads.PROMPT,
+    CacheKind.SLIDING_WINDOW: Reads.WINDOW,
+    CacheKind.KEY_RING: Reads.SLOT,
+    CacheKind.MAMBA_STATE: Reads.SLOT,
+    CacheKind.LINEAR_STATE: Reads.SLOT,
+    CacheKind.LAYER_EMBEDDING: Reads.SLOT,
+}
+
+# How a mismatch names a compared field, where a kind gives it a meaning of its own.
+_FIELD_NAMES: dict[tuple[CacheKind, str], str] = {
+    (CacheKind.KEY_RING, "block_size"): "block_size (ring capacity)",
+    (CacheKind.COMPRESSED_KEY, "tokens_per_state"): "tokens_per_state (compress ratio)",
+    (CacheKind.FULL_ATTENTION, "tokens_per_state"): "tokens_per_state (compress ratio of the "
+                                                    "compressed keys in this group)",
+}
 
 
 class MalformedGroups(MalformedMessage):
@@ -107,6 +138,9 @@ class CacheGroup:
     window: int = 0  # sliding window in tokens (SLIDING_WINDOW only)
     spec_slots: int = 0  # trailing speculative scratch slots (state kinds only)
     owner: str = ""  # free label: "main_kv", "indexer", "gdn", "ple", ...
+    tokens_per_state: int = 1  # tokens one stored state covers (compressed keys: the ratio)
+    tp_replicated: bool = False  # every TP rank holds the whole state (PLE), not a shard
+    draft: bool = False  # holds the drafter's (MTP / EAGLE) layers: vLLM's is_eagle_group
 
     @property
     def block_bytes(self) -> int:
@@ -118,13 +152,29 @@ class CacheGroup:
 class CacheLayout:
     groups: tuple[CacheGroup, ...]
     version: int = SCHEMA_VERSION
+    speculative_tokens: int = 0  # the engine's num_speculative_tokens (draft tokens per step)
+    # vLLM's index of each group here (its transfer groups) and how many groups vLLM has:
+    # local knowledge to cut vLLM's per-group block lists (`select`), never on the wire.
+    source_groups: tuple[int, ...] = field(default=(), compare=False)
+    num_source_groups: int = field(default=0, compare=False)
+
+    def select(self, block_ids: Sequence[Any]) -> tuple[Any, ...]:
+        """vLLM's per-group lists (every group, or already one per group here) cut to
+        this layout's groups, as vLLM's ``select_transfer_block_ids`` does."""
+        if len(block_ids) == len(self.groups) or not self.source_groups:
+            return tuple(block_ids)
+        if len(block_ids) != self.num_source_groups:
+            raise GroupMismatch(None, "block id lists (vLLM's KV cache groups)",
+                                self.num_source_groups, len(block_ids))
+        return tuple(block_ids[i] for i in self.source_groups)
 
     def regions(self) -> tuple[CacheRegion, ...]:
         """Each physical region once, in first-use order, however many groups share it."""
         return physical_regions(self.groups)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"version": self.version, "groups": [_group_to_wire(g) for g in self.groups]}
+        return {"version": self.version, "groups": [_group_to_wire(g) for g in self.groups],
+                "speculative_tokens": self.speculative_tokens}
 
     @classmethod
     def from_wire(cls, obj: Any) -> CacheLayout:
@@ -138,30 +188,45 @@ class CacheLayout:
         if not isinstance(groups, list) or not groups:
             raise MalformedGroups(None, "groups", "must be a non-empty list")
         parsed = tuple(_group_from_wire(i, g) for i, g in enumerate(groups))
-        layout = cls(parsed)
+        spec = obj.get("speculative_tokens", 0)
+        if type(spec) is not int or spec < 0:
+            raise MalformedGroups(None, "speculative_tokens", f"must be an int >= 0, found {spec!r}")
+        layout = cls(parsed, speculative_tokens=spec)
         physical_regions(layout.groups)  # one block size per shared region
         return layout
 
     def check_matches(self, peer: CacheLayout) -> None:
         """Refuse ``peer``'s layout unless every group pairs with ours (D checks P's).
 
-        Same number of groups; per group the same kind, block size, window,
-        speculative slots and regions (names and bytes per block).  Pool
-        sizes (each engine sizes its own), layer names and owner labels are
-        not compared: block ids are checked per request against each side's
-        pool, and names describe, they do not decide where bytes go.
+        The draft configuration (``speculative_tokens``), the same number of
+        groups, and per group the fields of `COMPARED` (kind, block size, which
+        is a key ring's capacity, window, speculative slots, tokens per state,
+        which is the compress ratio, whether TP ranks replicate the state,
+        whether it holds draft layers) and its regions (names and bytes per
+        block).  Pool sizes (each engine sizes its own), layer
+        names and owner labels are not compared: block ids are checked per
+        request against each side's pool, and names describe, they do not
+        decide where bytes go.  A mismatch names the group and the field.
         """
+        if self.speculative_tokens != peer.speculative_tokens:
+            raise GroupMismatch(None, "speculative_tokens (num_speculative_tokens)",
+                                self.speculative_tokens, peer.speculative_tokens)
         if len(self.groups) != len(peer.groups):
             raise GroupMismatch(None, "number of groups", len(self.groups), len(peer.groups))
         for mine, theirs in zip(self.groups, peer.groups, strict=True):
-            for name in ("kind", "block_size", "window", "spec_slots"):
+            for name in COMPARED:
                 a, b = getattr(mine, name), getattr(theirs, name)
                 if a != b:
-                    raise GroupMismatch(mine.index, name, a, b)
+                    raise GroupMismatch(mine.index, _FIELD_NAMES.get((mine.kind, name), name), a, b)
             ours = [(r.name, r.block_bytes) for r in mine.regions]
             peers = [(r.name, r.block_bytes) for r in theirs.regions]
             if ours != peers:
                 raise GroupMismatch(mine.index, "regions", ours, peers)
+
+
+# The group fields two peers must agree on, in the order a mismatch is reported.
+COMPARED = ("kind", "block_size", "window", "spec_slots", "tokens_per_state", "tp_replicated",
+            "draft")
 
 
 def physical_regions(groups: Iterable[CacheGroup]) -> tuple[CacheRegion, ...]:
@@ -254,7 +319,8 @@ def _group_to_wire(g: CacheGroup) -> dict[str, Any]:
         "num_blocks": g.num_blocks,
         "regions": [[r.name, r.block_bytes, [list(p) for p in r.parts]] for r in g.regions],
         "layers": list(g.layers), "window": g.window, "spec_slots": g.spec_slots,
-        "owner": g.owner,
+        "owner": g.owner, "tokens_per_state": g.tokens_per_state,
+        "tp_replicated": g.tp_replicated, "draft": g.draft,
     }
 
 
@@ -307,8 +373,17 @@ def _group_from_wire(i: int, obj: Any) -> CacheGroup:
     owner = obj.get("owner", "")
     if not isinstance(owner, str):
         raise MalformedGroups(i, "owner", f"must be str, found {type(owner).__name__}")
+    tokens_per_state = _get(obj, i, "tokens_per_state", int, 1)
+    if tokens_per_state < 1:
+        raise MalformedGroups(i, "tokens_per_state", f"must be >= 1, found {tokens_per_state}")
+    flags = {}
+    for name in ("tp_replicated", "draft"):
+        flags[name] = obj.get(name, False)
+        if type(flags[name]) is not bool:
+            raise MalformedGroups(i, name, f"must be bool, found {type(flags[name]).__name__} "
+                                  f"{flags[name]!r}")
     return CacheGroup(i, kind, block_size, num_blocks, regions, tuple(layers), window, spec_slots,
-                      owner)
+                      owner, tokens_per_state, **flags)
 
 
 def _region_from_wire(group: int, j: int, raw: Any) -> CacheRegion:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from kvhandoff.core.errors import GeometryMismatch
-from kvhandoff.core.groups import CacheGroup, CacheKind, CacheLayout, GroupMismatch
+from kvhandoff.core.groups import CacheGroup, CacheKind, CacheLayout, GroupMismatch, Reads
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,21 +128,22 @@ def blocks_needed(group: CacheGroup, num_tokens: int) -> int:
     attends to besides itself, i.e. positions ``(num_tokens - window + 1) //
     block_size`` to the last: exactly the blocks vLLM's window manager keeps
     (``SlidingWindowManager.get_num_skipped_tokens``); P nulls the ones
-    before, so reading one more would read vLLM's null block.  State kinds:
-    the one slot the request ends with.
+    before, so reading one more would read vLLM's null block.  Slot kinds
+    (Mamba / GDN / PLE state, a key ring): the one slot the request ends with.
     """
     if num_tokens <= 0:
         return 0
-    if group.kind.reads_state:
+    reads = group.kind.reads
+    if reads is Reads.SLOT:
         return 1
     total = -(-num_tokens // group.block_size)
-    if group.kind is CacheKind.SLIDING_WINDOW:
+    if reads is Reads.WINDOW:
         return total - max(0, num_tokens - group.window + 1) // group.block_size
     return total
 
 
 def prefill_backoff(layout: CacheLayout) -> int:
-    """Prompt tokens P leaves to D: 1 when any group keeps less than every block, else 0.
+    """Prompt tokens P leaves to D: 1 when any group does not read the whole prompt, else 0.
 
     P's sliding-window and state groups keep what the *next* token needs
     once a prompt's tokens are computed: the blocks of the window it attends
@@ -154,8 +155,7 @@ def prefill_backoff(layout: CacheLayout) -> int:
     state models (``_prefill_backoff``).  Full attention keeps every block:
     D loads the whole prompt and recomputes its last token.
     """
-    return 1 if any(g.kind is not CacheKind.FULL_ATTENTION and g.kind is not CacheKind.INDEXER
-                    for g in layout.groups) else 0
+    return 1 if any(g.kind.reads is not Reads.PROMPT for g in layout.groups) else 0
 
 
 def tokens_loaded(layout: CacheLayout, num_prompt_tokens: int) -> int:

@@ -214,7 +214,7 @@ class HandoffScheduler:
         reaches into.)  A state group's list is its slot(s).
         """
         out = []
-        for g, group in zip(self.layout.groups, blocks.blocks, strict=True):
+        for g, group in zip(self.layout.groups, self.layout.select(blocks.blocks), strict=True):
             if not g.kind.reads_state:
                 group = group[:-(-num_tokens // g.block_size)]
             out.append([b.block_id for b in group if b.block_hash is None and not b.is_null])
@@ -243,7 +243,8 @@ class HandoffScheduler:
             done = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED,
                                       RequestStatus.FINISHED_STOPPED)
             n = request.num_computed_tokens
-            blocks = export_ids(self.layout, block_ids, n) if done and block_ids else ()
+            blocks = (export_ids(self.layout, self.layout.select(block_ids), n)
+                      if done and block_ids else ())
             if done and any(blocks):
                 # The release token makes the lease a capability: only an
                 # engine holding these params can extend or release it.
