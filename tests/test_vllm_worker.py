@@ -712,3 +712,37 @@ def test_params_re_sent_after_d_forgot_them_are_a_new_request_and_replay_stays_c
     assert _kinds(d, "r21").count("admitted") == 2
     a = analyse_logs([p.flush(), d.flush()])
     assert a["violations"] == [] and a["p_frees"] == 1 and a["double_frees"] == 0
+
+
+def test_replay_trace_of_a_real_worker_pair_s_logs_is_well_formed(workers, tmp_path):
+    """``kvhandoff replay --trace`` on logs a real P/D worker pair wrote (issue #18): a clean
+    hand-off and a cancel during a READ; the structure follows the Trace Event Format and the
+    heartbeats D sent while the cancelled READ drained arrive at P as flows."""
+    import orjson
+    from trace_format import check_trace
+
+    from kvhandoff.adapters.cli import main
+    from kvhandoff.core.log import read_logs
+
+    p, d, pc, dc, port = workers
+    _done_handoff(p, d, port, "r30", "L30", (11, 12), "tok-30", [30, 31])
+    _export(p, "r31", 2, "tok-31")
+    params = _params("r31", port, (13, 14), "tok-31", debug_read_delay_s=1.0)
+    d.start_step(StepPlan(admits=[Admit("L31", params, "", 2 * BLOCK)],
+                          reads=[Read("L31", [[32, 33]])]))
+    _pump(p, d, lambda s, r, f: _d_state(d, "r31") is DState.READING)
+    d.start_step(StepPlan(cancels=["L31"]))
+    _pump(p, d, lambda s, r, f: "r31" in s and "L31" in r, timeout=LEASE * 3)
+    paths = [p.flush(), d.flush()]
+    out = tmp_path / "real.trace.json"
+    assert main(["replay", *paths, "--check", "--trace", str(out)]) == 0
+    doc = orjson.loads(out.read_bytes())
+    got = check_trace(doc, {(str(e.stream), e.seq): e.t for e in read_logs(paths)})
+    assert sorted(got["processes"].values()) == ["D-w/D0", "P-w/P0"]
+    assert {"r30", "r31"} <= set(got["threads"].values())
+    assert got["flows"]["heartbeat"] >= 2 and got["flows"]["ack"] >= 1
+    splits = [e for e in doc["traceEvents"] if e["ph"] == "e" and e["name"] == "r31 split 0"]
+    lease_end = [e for e in doc["traceEvents"] if e["ph"] == "E" and e["name"] == "lease"
+                 and got["threads"][e["pid"], e["tid"]] == "r31"]
+    assert len(splits) == 1 and len(lease_end) == 1
+    assert lease_end[0]["args"]["ended_by"] == "freed" and lease_end[0]["ts"] >= splits[0]["ts"]
