@@ -36,7 +36,8 @@ from dataclasses import dataclass
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The non-vLLM CI suite, quickest first (pytest -x stops at the first failure).
 SUITE = (
-    "tests/test_lifecycle.py", "tests/test_policy.py", "tests/test_replay.py",
+    "tests/test_lifecycle.py", "tests/test_policy.py", "tests/test_producer_engine.py",
+    "tests/test_replay.py",
     "tests/test_messages.py", "tests/test_event_log.py", "tests/test_lifecycle_model.py",
     "tests/test_transport_sim.py", "tests/test_simulations_hypothesis.py",
     "tests/test_simulations_cli.py", "tests/test_simulations_determinism.py",
@@ -122,6 +123,33 @@ MUTANTS: tuple[Mutant, ...] = (
            "        return total - max(0, num_tokens - group.window + 1 + group.block_size) "
            "// group.block_size\n",
            "a sliding-window group reads one block fewer than the last token attends to"),
+    # Issue #13: D's timing follows P's lease; forgetting is an event.
+    Mutant("heartbeat_period_ignores_p_lease", "core/policy.py",
+           "    return min((interval_s, *(lease / HEARTBEATS_PER_LEASE for lease in leases)))\n",
+           "    return interval_s\n",
+           "D heartbeats at its own period, however short the lease P granted"),
+    Mutant("forget_unfinished_records", "core/policy.py",
+           "            if rec.state in TERMINAL\n",
+           "            if rec.state is not None\n",
+           "an engine forgets requests that are still live (reads in flight, leases held)"),
+    Mutant("forget_before_the_request_s_lease", "core/policy.py",
+           "            and t - rec.t_end > REMEMBER_LEASES * max(lease_s, rec.lease_s)]\n",
+           "            and t - rec.t_end > REMEMBER_LEASES * lease_s]\n",
+           "D forgets a request (its params reusable) while P may still hold it under a longer lease"),
+    Mutant("replay_keeps_a_forgotten_free", "core/replay.py",
+           "        freed_at.pop((stream.engine, stream.rank, rid), None)\n",
+           "        pass\n",
+           "replay checks a re-used id's reads against the free of its earlier life"),
+    # Issue #14: P's decisions in one engine.
+    Mutant("answer_with_a_lease_p_does_not_hold", "core/producer.py",
+           "            left[rid] = lease_time_left(self.state, self.stream, rid, now, engine=sender,\n"
+           "                                        token=token)\n",
+           "            left[rid] = self.lease_s\n",
+           "P answers every heartbeat 'alive for a lease', freed or not, whoever asks"),
+    Mutant("free_without_reporting", "core/producer.py",
+           "                step.freed.append(rid)\n",
+           "                pass\n",
+           "P frees a request in its log but never tells the host engine (blocks leak)"),
 )
 
 

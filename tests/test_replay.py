@@ -14,6 +14,7 @@ from kvhandoff.core.events import (
     ClientCancelled,
     Exported,
     FinishedRecving,
+    Forgotten,
     Freed,
     HeartbeatReceived,
     HeartbeatSent,
@@ -210,6 +211,20 @@ def test_bytes_served_after_p_freed_them_are_a_violation(tmp_path, capsys):
     assert code == 1
     assert [v["invariant"] for v in out["violations"]] == ["served_freed"]
     assert "after P freed the source at t=11.3" in out["violations"][0]["detail"]
+
+
+def test_an_id_used_again_after_both_engines_forgot_it_is_a_new_request(tmp_path, capsys):
+    """The second life is checked on its own: not against the first life's free."""
+    e = Engines(tmp_path)
+    e.start_read("req-1", 1.0)
+    e.finish_read("req-1", 2.0)  # P freed it at t=2.02
+    e.P.record(Forgotten, "req-1", 30.0)
+    e.D.record(Forgotten, "req-1", 30.0)
+    e.start_read("req-1", 31.0)
+    e.finish_read("req-1", 32.0)
+    code, out = _json(capsys, *e.close(), "--check")
+    assert code == 0 and out["violations"] == [] and out["freed_under_read"] == 0
+    assert out["states"] == {"D:DONE": 1, "P:FREED": 1}
 
 
 def test_double_free_is_named_and_check_fails_with_the_first_violation(tmp_path, capsys):
