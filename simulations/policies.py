@@ -10,7 +10,7 @@ in the decisions the races are about, on both sides:
   ``finished_recving``.  P mints a release token, answers heartbeats with the
   time left, takes the sender of a notification from the transport peer (as
   learned at the handshake) and counts one release per consumer rank.
-* ``vllm-0.32``: a model of vLLM 0.32's NIXL connector (FIELD_NOTES.md,
+* ``vllm-0.32``: a model of vLLM 0.32's NIXL connector (read from
   ``vllm/distributed/kv_transfer/kv_connector/v1/nixl/pull_worker.py`` and
   ``base_worker.py``): ``request_finished`` stops a request's heartbeat as
   soon as the client aborts; every READ carries the ``"<req_id>:<N>"``

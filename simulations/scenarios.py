@@ -205,7 +205,7 @@ def _retry_after_release(cfg: RunConfig, rng: random.Random) -> None:
 
 @scenario("cancel_during_read_realistic",
           "the client cancels while READs of realistic length are in flight (1 ms to 0.75 s: "
-          "786 KB to 1 GiB at the rates measured in FIELD_NOTES.md): how often the vLLM 0.32 "
+          "786 KB to 1 GiB at the NIXL rates in docs/benchmarks.md): how often the vLLM 0.32 "
           "cancel gap bites when reads are not forced to outlast the lease")
 def _cancel_realistic(cfg: RunConfig, rng: random.Random) -> None:
     cfg.read_faults = ReadFaults(slow=1.0, slow_s=(0.001, 0.75))

@@ -24,3 +24,13 @@ def test_core_is_pure():
     for path in (ROOT / "core").glob("*.py"):
         text = path.read_text()
         assert not [f for f in forbidden if f in text], path.name
+
+
+def test_the_product_refers_to_nothing_outside_the_repository():
+    """A user's clone has the product only: no design notes beside it."""
+    product = [ROOT / "README.md", ROOT / "Makefile", *(ROOT / "docs").glob("*.md")]
+    for folder in ("core", "transports", "adapters", "simulations"):
+        product += (ROOT / folder).rglob("*.py")
+    for path in product:
+        text = path.read_text()
+        assert "../shared" not in text and "FIELD_NOTES" not in text, path.relative_to(ROOT)

@@ -131,7 +131,7 @@ def test_a_second_reader_of_released_parameters_never_serves_them():
 def test_with_reads_of_realistic_length_vllm_032s_cancel_gap_does_not_show():
     # The gap needs a READ that outlasts what is left of the lease after the last
     # heartbeat (2/3 of it in vLLM 0.32, 20 s of a 30 s lease); the sub-second
-    # READs measured in FIELD_NOTES.md never do. cancel_during_read forces READs
+    # READs measured in docs/benchmarks.md never do. cancel_during_read forces READs
     # of 1.2-2.5 leases: its counts show the mechanism, not how often it bites.
     old = sweep(["cancel_during_read_realistic"], range(20), "vllm-0.32")
     assert old.totals["cancelled"] > 0

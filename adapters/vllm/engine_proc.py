@@ -53,7 +53,7 @@ class EngineSpec:
 
 
 def engine_env(spec: EngineSpec, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment an engine process needs (FIELD_NOTES.md: 2-core machine)."""
+    """The environment an engine process needs (a 2-core CPU machine: docs/operator-guide.md)."""
     env = dict(os.environ if base is None else base)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

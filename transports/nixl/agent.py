@@ -6,7 +6,7 @@ both must be fixed *before* the agent (and with it UCX's context) starts:
 * **UCX refuses cuda_ipc GETs without NVLink.**  A READ is a GET; with
   ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY`` at its default (``auto``) UCX 1.23 stages
   VRAM READs between two processes on one H200 through TCP, at 0.4–0.5 GB/s
-  instead of hundreds of GB/s (FIELD_NOTES.md).  `apply_ucx_defaults` sets
+  instead of hundreds of GB/s (docs/nixl.md).  `apply_ucx_defaults` sets
   the variables in `UCX_DEFAULTS` unless the user already set them, and logs
   which it set and which it left alone.  UCX reads its environment when a
   context is created, so setting ``os.environ`` in-process is enough.
