@@ -211,6 +211,15 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         return "LBHNC"
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No.  vLLM >= 0.33 asks before it enables sleep mode (and refuses the engine when the
+        answer is no; the base class says yes).  Sleep releases and later remaps the KV cache's
+        memory, and kvhandoff cannot follow that: NIXL's registrations, the agent metadata
+        peers hold, P's leases and D's READs in flight all name the memory registered at start.
+        """
+        return False
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
         return KVHandoffStats(data=data) if data is not None else KVHandoffStats()
 
@@ -251,6 +260,20 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self.worker.register_kv_caches(kv_caches, self.layout)
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM >= 0.33 calls this before sleep mode releases the KV cache; kvhandoff says it
+        does not support sleep mode (`supports_sleep_mode`), so vLLM never should: refuse
+        rather than leave registrations that name memory about to be remapped."""
+        raise UnsupportedTopology(
+            "KVHandoffConnector does not support sleep mode: it cannot follow a remap of the "
+            "KV cache's registered memory (unregister_kv_caches was called)")
+
+    def restore_kv_caches(self) -> None:
+        """vLLM >= 0.33 calls this after sleep mode's wake-up; refused as `unregister_kv_caches`."""
+        raise UnsupportedTopology(
+            "KVHandoffConnector does not support sleep mode: it cannot follow a remap of the "
+            "KV cache's registered memory (restore_kv_caches was called)")
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._connector_metadata
