@@ -125,10 +125,10 @@ def _group_kind(index: int, group: Any) -> tuple[CacheKind, dict[str, Any]]:
     if len(reads) != 1:
         raise UnsupportedTopology(f"KV cache group {index}: layers that read differently in one "
                                   f"group ({sorted(k.value for k in set(kinds))})")
-    distinct = set(kinds)
-    kind = kinds[0] if len(distinct) == 1 else (
-        CacheKind.FULL_ATTENTION if CacheKind.FULL_ATTENTION in distinct else kinds[0])
-    first = fields[0]
+    # The group is its first layer's kind, vLLM's representative spec: the scheduler's
+    # config keeps only that one (``generate_scheduler_kv_cache_config``), so both halves
+    # of the connector must decide from it.
+    kind, first = kinds[0], fields[0]
     out: dict[str, Any] = {"window": 0, "spec_slots": 0, "tokens_per_state": 1,
                            "tp_replicated": False}
     if kind is CacheKind.SLIDING_WINDOW:
@@ -141,8 +141,7 @@ def _group_kind(index: int, group: Any) -> tuple[CacheKind, dict[str, Any]]:
                                       "num_speculative_blocks / tp_replicated")
         out["spec_slots"], out["tp_replicated"] = slots.pop(), replicated.pop()
     else:
-        ratios = {int(getattr(s, "tokens_per_state", 1)) for s in fields}
-        out["tokens_per_state"] = max(ratios)
+        out["tokens_per_state"] = int(getattr(first, "tokens_per_state", 1))
     owner = "+".join(dict.fromkeys(k.value for k in kinds))
     return kind, {**out, "owner": owner}
 
@@ -189,13 +188,16 @@ def cache_layout(kv_cache_config: Any, num_speculative_tokens: int | None = None
         placements.append(TensorPlacement(t.size, tuple(t.layers), t.layer_stride,
                                           t.block_stride, t.offset))
     rows = {p.block_stride for p in placements}
-    packed = len(rows) == 1 and any(p.block_stride != pages[p.layers[0]] for p in placements) \
-        and all(p.layer_stride == pages[p.layers[0]] or len(p.layers) == 1 for p in placements)
+    # Block-outermost: one row stride for every tensor, layers side by side inside it.  (The
+    # scheduler's config keeps one spec per group, so the tensors' strides are what count.)
+    packed = len(rows) == 1 and all(len(p.layers) == 1 or p.layer_stride < p.block_stride
+                                    for p in placements) \
+        and any(p.block_stride != pages[p.layers[0]] for p in placements)
     if packed:
         (row,) = rows
         for i, p in enumerate(placements):
-            end = p.offset + (len(p.layers) - 1) * p.layer_stride + pages[p.layers[0]]
-            if end > row or p.size < num_blocks * row:
+            page = p.layer_stride if len(p.layers) > 1 else min(pages[p.layers[0]], row)
+            if p.offset + len(p.layers) * page > row or p.size < num_blocks * row:
                 raise UnsupportedTopology(f"KV cache placement: kv_cache_tensors[{i}] does not "
                                           f"fit a {row}-byte row of {num_blocks} blocks")
         region = CacheRegion(sorted(pages)[0] + "@row", row, offset=0)
