@@ -133,6 +133,29 @@ def test_what_stays_unsupported_is_refused_naming_spec_and_field(spec, named):
         cache_layout(host)
 
 
+@pytest.mark.parametrize(("name", "kind"), [
+    ("RSWASpec", CacheKind.FULL_ATTENTION), ("HiddenStateCacheSpec", CacheKind.FULL_ATTENTION),
+    ("SlidingWindowMLASpec", CacheKind.SLIDING_WINDOW), ("ChunkedLocalAttentionSpec", None),
+    ("SinkFullAttentionSpec", None), ("CrossAttentionSpec", None),
+    ("EncoderOnlyAttentionSpec", None),
+])
+def test_the_other_vllm_spec_kinds_map_or_are_refused_by_name(name, kind):
+    import torch as t
+    from vllm.v1 import kv_cache_interface as k
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    extra = {"RSWASpec": {"rswa_window": 64}, "SlidingWindowMLASpec": {"sliding_window": 64},
+             "ChunkedLocalAttentionSpec": {"attention_chunk_size": 64}}.get(name, {})
+    s = getattr(k, name)(block_size=16, num_kv_heads=1, head_size=8, dtype=t.float16, **extra)
+    kvc = KVCacheConfig(4, [KVCacheTensor(4 * s.page_size_bytes, ["a"], s.page_size_bytes * 4,
+                                          s.page_size_bytes)], [KVCacheGroupSpec(["a"], s)])
+    if kind is None:
+        with pytest.raises(UnsupportedTopology, match=f"{name} is not supported"):
+            cache_layout(kvc)
+    else:
+        assert cache_layout(kvc).groups[0].kind is kind
+
+
 def _compat(layout: CacheLayout) -> dict:
     return {"model": "q4", "tp_size": 2, "cache_layout": layout.to_wire()}
 

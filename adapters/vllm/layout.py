@@ -85,6 +85,12 @@ SPEC_KINDS: dict[str, SpecRule] = {
         ("non_causal_multi_token_decode", bool, "a non-causal drafter (DSpark)"),)),
     "SlidingWindowSpec": SpecRule(lambda s: CacheKind.SLIDING_WINDOW, (
         ("extra_retained_tokens", bool, "retained tokens behind the window (multi-module MTP)"),)),
+    "SlidingWindowMLASpec": SpecRule(lambda s: CacheKind.SLIDING_WINDOW, (
+        ("extra_retained_tokens", bool, "retained tokens behind the window (multi-module MTP)"),)),
+    # A full-attention table whose decode-time gaps are nulled later: at P's finish every
+    # prompt block is live, so it reads like full attention.
+    "RSWASpec": SpecRule(lambda s: CacheKind.FULL_ATTENTION, _DENSE),
+    "HiddenStateCacheSpec": SpecRule(lambda s: CacheKind.FULL_ATTENTION, _DENSE),
     "CircularBufferSpec": SpecRule(lambda s: CacheKind.KEY_RING),
     "MambaSpec": SpecRule(_mamba_kind, (
         ("num_prefill_checkpoint_blocks", bool, "prefill checkpoint slots (KDA)"),
