@@ -255,3 +255,60 @@ def allocate(kv_cache_config: Any, device: str = "cpu", seed: int | None = None)
         gen = torch.Generator().manual_seed(seed)
         raw.copy_(torch.randint(-128, 128, raw.shape, generator=gen, dtype=torch.int8).to(device))
     return views, raw
+
+
+# ---- the plans as data: the worker-pair test runs where vLLM is not installed (the H200) ----
+
+FIXTURE = "qwen4_plans.json"
+BYTES_VARIANTS = (Variant(0, False, 1), Variant(2, True, 1), SEED)
+
+
+def export_plans() -> dict[str, Any]:
+    """What the worker-pair test needs of vLLM's plans, per variant and rank: the layout
+    (wire form), the allocation's size and every layer's view (start, shape, strides)."""
+    from kvhandoff.adapters.vllm.layout import cache_layout
+
+    out: dict[str, Any] = {}
+    for v in BYTES_VARIANTS:
+        _, configs, _ = plan(v)
+        ranks = []
+        for kvc in configs:
+            views, raw = allocate(kvc)
+            base = raw.data_ptr()
+            ranks.append({
+                "layout": cache_layout(kvc).to_wire(), "size": raw.numel(),
+                "views": {k: [t.data_ptr() - base, list(t.shape), list(t.stride()), str(t.dtype)]
+                          for k, t in views.items()},
+            })
+        out[v.name] = {"variant": [v.mtp, v.prefix_caching, v.tp], "ranks": ranks}
+    return out
+
+
+def load_plan(data: dict[str, Any], v: Variant, rank: int) -> tuple[Any, Any]:
+    """``(layout, allocate(device, seed))`` of one rank, from `export_plans`' data."""
+    import dataclasses
+
+    import torch
+
+    from kvhandoff.core.groups import CacheLayout
+
+    r = data[v.name]["ranks"][rank]
+    layout = CacheLayout.from_wire(r["layout"])
+    # Region offsets are local knowledge, never on the wire: a block row starts at byte 0.
+    layout = dataclasses.replace(layout, groups=tuple(
+        dataclasses.replace(g, regions=tuple(dataclasses.replace(x, offset=0) for x in g.regions))
+        for g in layout.groups))
+
+    def alloc(device: str, seed: int | None = None) -> tuple[dict, Any]:
+        raw = torch.zeros(r["size"], dtype=torch.int8)
+        if seed is not None:
+            gen = torch.Generator().manual_seed(seed)
+            raw = torch.randint(-128, 128, raw.shape, generator=gen, dtype=torch.int8)
+        raw = raw.to(device)
+        views = {}
+        for k, (start, shape, stride, dtype) in r["views"].items():
+            typed = raw.view(getattr(torch, dtype.removeprefix("torch.")))
+            views[k] = typed.as_strided(shape, stride, start // typed.element_size())
+        return views, raw
+
+    return layout, alloc
