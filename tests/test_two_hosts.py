@@ -265,3 +265,24 @@ def test_the_operator_guide_s_multi_node_block_is_what_these_tests_run():
     guide = (Path(__file__).resolve().parents[1] / "docs" / "operator-guide.md").read_text()
     assert f"```bash\n{th.guide_block()}\n```" in guide
     assert TCP_ENV == {"cpu": th.UCX_ENV, "cuda": th.UCX_ENV_CUDA}
+
+
+def test_bench_nixl_over_tcp_reads_over_tcp_and_verifies_every_byte():
+    """``kvhandoff bench nixl --transport tcp`` (small): each row verified, UCX's report
+    names only tcp for the READ, and the socket copy of the same bytes is measured."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kvhandoff.adapters.bench.nixl", "--transport", "tcp",
+         "--payload-mib", "4", "--reps", "1", "--idle-seconds", "0.1", "--json"],
+        capture_output=True, text=True, timeout=300, check=True)
+    r = json.loads(out.stdout)
+    assert r["options"]["transport"] == "tcp" and r["options"]["vram_ipc"] is False
+    assert r["baseline"] == "socket copy between two processes"
+    assert all(row["verified"] and row["socket_GBps"] > 0 for row in r["rows"])
+    reads = r["read_protocols"]["reads"]
+    assert reads and all(row.endswith("tcp/lo") for x in reads for row in x["rows"]), reads
+    assert r["read_protocols"]["same_node_transports"] == []
+    assert r["targets"]["reads_over_tcp_only"] is True
