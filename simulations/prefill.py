@@ -102,11 +102,6 @@ class PrefillEngine:
         self.blocks: dict[str, list[int]] = {}
         self.requests: dict[str, SimRequest] = {}
         self.malformed = 0
-        # Scans of the fold are skipped when nothing that they depend on changed:
-        # ``_changed`` is set by every event that can free a request or move a
-        # deadline; ``_nearest`` is the earliest lease deadline.
-        self._changed = False
-        self._nearest = float("inf")
         self.rng = rng
         self.loop = EngineLoop(self.clock, rng, self._step, cfg.p_step_s, cfg.step_jitter,
                                cfg.p_stall, cfg.p_stall_s)
@@ -145,11 +140,7 @@ class PrefillEngine:
             for rank, engine in enumerate(self.engines):
                 engine.aborted(rid, now, reason="client cancelled during prefill")
                 self.pool.free(self.blocks[rid], rank)  # the host engine frees an abort itself
-        if self.aborts:
-            self._changed = True
         self.aborts.clear()
-        if self.prefilled:
-            self._changed = True
         for req in self.prefilled:
             ids = self.blocks[req.rid]
             # Only the engine that receives the transfer parameters can release.
@@ -180,9 +171,9 @@ class PrefillEngine:
                 engine.prefill_started(req.rid, now)
             self.prefilling[req.rid] = req
             self.clock.call_at(now + cfg.prefill_s_per_block * len(ids), self._prefill_done, req)
-        if self._changed:
-            self._arm_lease_timer()
-        self._changed = False
+        due = min(engine.due_at for engine in self.engines)  # a lease may run out then
+        if due < float("inf"):
+            self.loop.wake_at(due)
         return bool(freed and self.queue)
 
     def _group_lists(self, req: SimRequest, ids: list[int]) -> list[list[int]] | None:
@@ -232,7 +223,6 @@ class PrefillEngine:
         if isinstance(msg, HeartbeatAck):
             self.malformed += 1  # P never expects an acknowledgement
             return
-        self._changed = True
         msg, sender = self._sender(rank, peer, msg)
         step = self.engines[rank].on_notification(sender, msg, now)
         if self.policy.acknowledges:
@@ -240,22 +230,12 @@ class PrefillEngine:
                 self.agents[rank].send_notif(peer, encode(ack))
 
     def _reap(self, now: float) -> int:
-        if now >= self._nearest:
-            self._changed = True
-        if not self._changed:
-            return 0
         freed = 0
         for rank, engine in enumerate(self.engines):
             for rid in engine.poll(now).freed:
                 self.pool.free(self.blocks[rid], rank)
                 freed += 1
         return freed
-
-    def _arm_lease_timer(self) -> None:
-        nearest = min(engine.next_deadline() for engine in self.engines)
-        self._nearest = nearest
-        if nearest < float("inf"):
-            self.loop.wake_at(nearest)
 
     # -- end of run -----------------------------------------------------------------
 

@@ -129,3 +129,25 @@ def test_deadlines_for_the_driver_s_timer(engine):
     _exported(engine, "a", t=0.0)
     _exported(engine, "b", t=2.0)
     assert engine.next_deadline() == LEASE and engine.live()
+
+
+def test_poll_frees_exactly_what_the_fold_says_whatever_the_order_of_inputs():
+    """The engine's hints (when to scan, what a release just ended) never hide a free."""
+    from kvhandoff.core import policy
+
+    e = ProducerEngine(P0, LEASE)
+    for i in range(30):
+        _exported(e, f"r{i}", t=i * 0.5, ranks=(0, 1))
+    t = 0.0
+    for i in range(30):
+        t = i * 0.7
+        if i % 3 == 0:  # both ranks release
+            for rank in (0, 1):
+                e.on_notification(D_AGENT, Release(f"r{i}", "decode-0", rank, "tok"), t)
+        elif i % 3 == 1:  # one rank's release, then silence: the lease runs out
+            e.on_notification(D_AGENT, Release(f"r{i}", "decode-0", 0, "tok"), t)
+        freed = e.poll(t).freed
+        assert policy.to_free(e.state, P0) == [] and policy.expired_leases(e.state, P0, t) == []
+        assert len(freed) == len(set(freed))
+    e.poll(t + 2 * LEASE)
+    assert e.counts["frees"] == 30 and policy.to_free(e.state, P0) == []
