@@ -65,12 +65,12 @@ def run(args) -> int:
     summary["partial"] = bool(args.partial)
     if args.json:
         sys.stdout.write(orjson.dumps(summary).decode() + "\n")
-    elif written:
+    else:
         for what, path in written.items():
             print(f"{what} written to {printable(path)}" + (
                 " (open it in ui.perfetto.dev or chrome://tracing)" if what == "trace" else ""))
-    else:
-        print(render_timeline(result.timeline))
+        if not written:
+            print(render_timeline(result.timeline))
         print(f"\n{summary['events']} events, {summary['requests']} requests, "
               f"states {printable(summary['states'])}, ignored notifications "
               f"{summary['ignored_notifications']}, freed under read "
