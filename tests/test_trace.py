@@ -185,7 +185,7 @@ def test_a_span_left_open_ends_at_its_streams_last_event(tmp_path):
     request = next(s for s in tl.spans if s.name == "request" and s.request_id == "r")
     assert lease.end_args == {"open": True} and lease.end == 2.1  # P's last event
     assert request.end_args == {"open": True} and request.end == 3.0
-    check_trace({"traceEvents": trace_events(tl), "displayTimeUnit": "ms"})
+    check_trace({"traceEvents": trace_events(tl)})
 
 
 def _texts_and_bars(svg: str) -> tuple[list[list[str]], list[int]]:

@@ -107,7 +107,9 @@ def write_pictures(events: list, args) -> dict[str, str]:
     tl = timeline(events)
     written: dict[str, str] = {}
     if args.trace:
-        doc = {"traceEvents": trace_events(tl), "displayTimeUnit": "ms",
+        # No displayTimeUnit: Perfetto reads ts in that unit (the format says it only
+        # sets the display), so "ms" would stretch the trace a thousandfold there.
+        doc = {"traceEvents": trace_events(tl),
                "otherData": {"source": "kvhandoff replay --trace",
                              "clock": "each engine's own clock, as logged (ts = t x 10^6)"}}
         with open(args.trace, "wb") as f:
