@@ -131,21 +131,33 @@ def _ring_capacity(v: Variant) -> int:
     return COMPRESS_RATIO * _cdiv(COMPRESS_RATIO + v.mtp, COMPRESS_RATIO)
 
 
+def _ds_layout():
+    """The conv state as (dim, state_len) per block (``VLLM_SSM_CONV_STATE_LAYOUT=DS``),
+    which NixlConnector requires of Mamba / GDN models: P/D deployments run it."""
+    from unittest import mock
+
+    from vllm.model_executor.layers.mamba import mamba_utils
+
+    return mock.patch.object(mamba_utils, "get_conv_state_layout", lambda: "DS")
+
+
 def _gdn_shapes(v: Variant) -> tuple:
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 
-    return tuple(MambaStateShapeCalculator.gated_delta_net_state_shape(
-        v.tp, GDN["num_k_heads"], GDN["num_v_heads"], GDN["head_k_dim"], GDN["head_v_dim"],
-        GDN["conv_kernel"], v.mtp))
+    with _ds_layout():
+        return tuple(MambaStateShapeCalculator.gated_delta_net_state_shape(
+            v.tp, GDN["num_k_heads"], GDN["num_v_heads"], GDN["head_k_dim"], GDN["head_v_dim"],
+            GDN["conv_kernel"], v.mtp))
 
 
 def _ple_shapes(v: Variant) -> tuple:
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
 
     conv_state_len = (PLE_CONV_KERNEL - 1) * NGRAM
-    return tuple(MambaStateShapeCalculator.short_conv_state_shape(
-        tp_world_size=1, intermediate_size=PLE_HIDDEN * HC_COUNT, conv_kernel=conv_state_len + 1,
-        num_spec=v.mtp))
+    with _ds_layout():
+        return tuple(MambaStateShapeCalculator.short_conv_state_shape(
+            tp_world_size=1, intermediate_size=PLE_HIDDEN * HC_COUNT,
+            conv_kernel=conv_state_len + 1, num_spec=v.mtp))
 
 
 def _dtypes(shapes: tuple, kind: str) -> tuple:

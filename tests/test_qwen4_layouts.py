@@ -20,11 +20,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
 import qwen4_layouts as q  # noqa: E402
+from test_qwen4_worker_pair import _ids  # noqa: E402
 
 from kvhandoff.adapters.vllm.config import UnsupportedTopology  # noqa: E402
 from kvhandoff.adapters.vllm.layout import cache_layout  # noqa: E402
 from kvhandoff.adapters.vllm.side_channel import PeerIncompatible, check_compatible  # noqa: E402
 from kvhandoff.core.groups import CacheKind, CacheLayout  # noqa: E402
+from kvhandoff.core.planning import export_ids, plan_group_reads, tokens_loaded  # noqa: E402
 
 DEVICE = os.environ.get("KVH_WORKER_DEVICE", "cpu")
 
@@ -197,3 +199,104 @@ def test_the_worker_pair_s_fixture_is_what_vllm_plans_now():
 
     saved = json.loads((Path(__file__).parent / q.FIXTURE).read_text())
     assert json.loads(json.dumps(q.export_plans(), sort_keys=True)) == saved
+
+
+# ---- the differential oracle: NixlConnector 0.32's own descriptors --------------------------
+
+
+def _nixl_worker(monkeypatch, v: q.Variant, cfg, kvc, views):
+    """vLLM 0.32's ``NixlBaseConnectorWorker`` built on CPU tensors and its own
+    ``register_kv_caches``; only what needs a live NIXL agent, a TP group or a model is
+    stood in: the agent (descriptors are kept, not registered), the TP rank, the
+    attention backends (FlashAttention, the QSA main owner's base), the compatibility
+    hash, the core pinning; kernel blocks are taken equal to vLLM's blocks."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker as bw
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+    class Agent:
+        def __init__(self, *a, **k): ...
+        def get_agent_metadata(self): return b""
+        def get_reg_descs(self, *a, **k): return a
+        def register_memory(self, *a, **k): ...
+        def get_xfer_descs(self, *a, **k): return a
+        def prep_xfer_dlist(self, *a, **k): return 1
+        def release_dlist_handle(self, *a, **k): ...
+
+    from vllm.model_executor.layers.mamba import mamba_utils
+
+    # NixlConnector requires the (dim, state_len) conv layout for Mamba / GDN state.
+    monkeypatch.setattr(mamba_utils, "get_conv_state_layout", lambda: "DS")
+    monkeypatch.setattr(bw, "NixlWrapper", Agent)
+    monkeypatch.setattr(bw, "nixl_agent_config", None)
+    monkeypatch.setattr(bw, "get_tensor_model_parallel_rank", lambda: 0)
+    monkeypatch.setattr(bw, "get_tensor_model_parallel_world_size", lambda: v.tp)
+    monkeypatch.setattr(bw, "get_current_attn_backends", lambda c: [FlashAttentionBackend])
+    monkeypatch.setattr(bw, "compute_nixl_compatibility_hash", lambda *a, **k: "")
+    monkeypatch.setattr(bw.os, "sched_setaffinity", lambda *a: None)
+    monkeypatch.setattr(bw.NixlBaseConnectorWorker, "_sync_block_size_with_kernel",
+                        lambda self: setattr(self, "_logical_num_blocks", self.num_blocks))
+    monkeypatch.setattr(bw.NixlBaseConnectorWorker, "__del__", lambda self: None)
+    cfg.kv_transfer_config.kv_buffer_device = "cpu"
+    w = bw.NixlBaseConnectorWorker(cfg, "D", kvc)
+    w.register_kv_caches(views)
+    return w
+
+
+REPORT: list[tuple] = []  # (variant, group, kind, page bytes, NixlConnector's, kvhandoff's)
+
+
+def _ranges(pairs) -> set[int]:
+    return {b for start, n in pairs for b in range(start, start + n)}
+
+
+@pytest.mark.parametrize("v", [q.Variant(0, False, 1), q.Variant(2, True, 1), q.SEED],
+                         ids=lambda v: v.name)
+def test_kvhandoff_reads_every_byte_nixlconnector_reads_and_only_the_group_s_own_rows(
+        monkeypatch, v):
+    """For the same KVCacheConfig, tensors and block ids: per group, the bytes vLLM 0.32's
+    NixlConnector worker would write into D (its descriptors for the group's blocks) are
+    all among the bytes kvhandoff's planned READ writes, and for the prompt groups (main
+    KV with compressed keys) they are the same bytes.  Where they differ, on purpose:
+    for a state group (GDN, PLE, key ring) kvhandoff reads the block's whole row (one
+    descriptor per run of rows) where NixlConnector reads the group's pages (GDN: conv
+    parts + SSM; PLE: the padded page; ring: its regions), so kvhandoff also moves the
+    row's bytes no layer of the group uses; a block id belongs to one group at a time,
+    so those bytes are the group's own and nothing of another request or group is
+    touched.  Every byte of every layer page of the group (vLLM's views) is read by both
+    (NixlConnector may skip a state page's padding)."""
+    cfg, configs, _ = q.plan(v, role="kv_consumer", engine_id="D")
+    kvc = configs[0]
+    views, raw = q.allocate(kvc)
+    base = raw.data_ptr()
+    w = _nixl_worker(monkeypatch, v, cfg, kvc, views)
+    layout = cache_layout(kvc)
+    n = tokens_loaded(layout, 300)
+    p_ids = export_ids(layout, _ids(layout, v, n, 1, set()), n)
+    plan = plan_group_reads(layout, layout, p_ids, p_ids, n, null_block=0)
+    row = layout.groups[0].regions[0].block_bytes
+    src = w.src_blocks_data
+    for read, g, vg in zip(plan.reads, layout.groups, kvc.transfer_groups, strict=True):
+        only = [list(read.local_ids) if k == g.index else [] for k in range(len(layout.groups))]
+        desc = w._compute_desc_ids(only, w.num_blocks, None, 1)
+        nixl = _ranges((int(src[d][0]) - base, int(src[d][1])) for d in desc)
+        ours = _ranges((b * row, row) for b in read.local_ids)
+        pages = _ranges((views[layer][b].data_ptr() - base, views[layer][b].nbytes)
+                        for layer in vg.layer_names for b in read.local_ids)
+        assert nixl, g
+        REPORT.append((v.name, g.index, g.kind.value, len(pages), len(nixl), len(ours)))
+        assert nixl <= ours, (g.index, g.kind, len(nixl - ours))
+        if not g.kind.reads_state:  # prompt groups: NixlConnector reads every region's page
+            assert nixl == ours, (g.index, g.kind)  # of the row, i.e. the whole row, too
+        assert pages <= ours, (g.index, g.kind)
+        # NixlConnector reads the group's pages too, except what it leaves out on purpose:
+        # a state page's padding (vLLM pads Mamba pages up to the attention page).
+        missed = pages - nixl
+        if missed:
+            assert g.kind.reads_state and g.kind is not CacheKind.KEY_RING, (g.index, g.kind)
+            specs = list(getattr(vg.kv_cache_spec, "kv_cache_specs",
+                                 {"": vg.kv_cache_spec}).values())
+            real = specs[0].real_page_size_bytes
+            for layer in vg.layer_names:
+                for blk in read.local_ids:
+                    start = views[layer][blk].data_ptr() - base
+                    assert _ranges([(start, real)]) <= nixl, (g.index, layer)
