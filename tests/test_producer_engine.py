@@ -151,3 +151,23 @@ def test_poll_frees_exactly_what_the_fold_says_whatever_the_order_of_inputs():
         assert len(freed) == len(set(freed))
     e.poll(t + 2 * LEASE)
     assert e.counts["frees"] == 30 and policy.to_free(e.state, P0) == []
+
+
+def test_an_idle_poll_does_not_scan_the_fold_until_a_lease_may_have_run_out(monkeypatch):
+    from kvhandoff.core import producer
+
+    scans: list[float] = []
+    real = producer.expired_leases
+    monkeypatch.setattr(producer, "expired_leases",
+                        lambda state, stream, t: scans.append(t) or real(state, stream, t))
+    e = ProducerEngine(P0, LEASE)
+    _exported(e, "a", t=0.0)
+    _exported(e, "b", t=1.0)
+    assert e.due_at == LEASE
+    for k in range(100):
+        e.poll(k * 0.09)  # a hot P's engine steps, nothing due
+    assert scans == []
+    e.on_notification(D_AGENT, _hb(["a"]), 5.0)  # a's lease now runs to 15
+    assert e.poll(LEASE).freed == [] and scans == [LEASE]  # looked once: nothing expired
+    assert e.due_at == 1.0 + LEASE  # b's is next
+    assert e.poll(1.0 + LEASE).freed == ["b"]

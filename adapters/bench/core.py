@@ -10,6 +10,9 @@
   (P's record exported + D's record reading) at 100,000 live transfers.
 * ``transitions_machine_per_request_events_per_s`` — the same mix driven
   through one ``transitions.Machine`` per request, the baseline.
+* ``hot_p_*`` — one P rank's `ProducerEngine` with ``--live`` leases read by
+  ``--hot-p-d-ranks`` D ranks: memory per lease, a heartbeat interval, and
+  an idle ``poll`` against the full fold scan it avoids (`bench_hot_p`).
 Each rate is the median of ``--repeat`` runs.
 """
 
@@ -159,6 +162,57 @@ def bench_memory(live: int) -> float:
     return used / live
 
 
+def bench_hot_p(live: int, d_ranks: int, repeat: int) -> dict:
+    """One P rank's `ProducerEngine` holding ``live`` leases read by ``d_ranks`` D ranks.
+
+    Memory per live lease (the engine and its fold), one heartbeat interval
+    (each D rank's one batched heartbeat naming all of its requests: what P
+    answers per second, one answer per message), and ``poll`` on an engine
+    step with nothing due, against the full scan of the fold that a poll
+    without the engine's hints would make (`expired_leases` + `to_free`),
+    measured in the same run.
+    """
+    from kvhandoff.core.messages import Heartbeat
+    from kvhandoff.core.policy import expired_leases, to_free
+    from kvhandoff.core.producer import ProducerEngine
+
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    engine = ProducerEngine(P, LEASE)
+    rids = [f"req-{i:07d}" for i in range(live)]
+    for rid in rids:
+        engine.exported(rid, 0.0, 8, (0,), "tok")
+    gc.collect()
+    per_lease = (tracemalloc.get_traced_memory()[0] - before) / live
+    tracemalloc.stop()
+    shares = [(f"d{d}", Heartbeat("decode-0", d, 1.0, tuple(rids[d::d_ranks]),
+                                  ("tok",) * len(rids[d::d_ranks]))) for d in range(d_ranks)]
+    answers = 0
+
+    def interval():
+        nonlocal answers
+        for sender, hb in shares:
+            answers += len(engine.on_notification(sender, hb, 1.0).acks)
+
+    interval()  # binds each request to its reader before timing
+    hb_rate = _median_rate(live, interval, repeat)
+    engine.poll(1.0)  # settles the scan hint
+    polls = 1000
+    poll_rate = _median_rate(polls, lambda: [engine.poll(1.0) for _ in range(polls)], repeat)
+    scans = 20
+    scan_rate = _median_rate(scans, lambda: [(expired_leases(engine.state, P, 1.0),
+                                              to_free(engine.state, P)) for _ in range(scans)],
+                             repeat)
+    assert engine.counts["refused_events"] == 0 and engine.counts["frees"] == 0
+    return {"hot_p_live_leases": live, "hot_p_d_ranks": d_ranks,
+            "hot_p_bytes_per_live_lease": round(per_lease),
+            "hot_p_heartbeat_ids_per_s": round(hb_rate),
+            "hot_p_answers_per_heartbeat": answers / ((repeat + 1) * d_ranks),
+            "hot_p_poll_us": round(1e6 / poll_rate, 2),
+            "hot_p_full_scan_us": round(1e6 / scan_rate, 1)}
+
+
 class _Request:
     """The baseline's model object: one per request, each with its own Machine."""
 
@@ -194,6 +248,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--replay-events", type=int, default=1_000_000)
     parser.add_argument("--live", type=int, default=100_000, help="live transfers for memory")
     parser.add_argument("--baseline-transfers", type=int, default=2_000)
+    parser.add_argument("--hot-p-d-ranks", type=int, default=64,
+                        help="D ranks reading the hot P (default 64); its leases: --live")
     parser.add_argument("--repeat", type=int, default=3)
 
 
@@ -202,7 +258,9 @@ def run(args) -> dict:
     baseline = bench_transitions_baseline(args.baseline_transfers, args.repeat)
     replay_rate, log_bytes = bench_replay(args.replay_events, args.repeat)
     per_request = bench_memory(args.live)
+    hot_p = bench_hot_p(args.live, args.hot_p_d_ranks, args.repeat)
     return {
+        **hot_p,
         "apply_events_per_s": round(apply_rate),
         "replay_events_per_s": round(replay_rate),
         "replay_events": args.replay_events,
@@ -212,7 +270,8 @@ def run(args) -> dict:
         "transitions_machine_per_request_events_per_s": round(baseline),
         "apply_vs_transitions_ratio": round(apply_rate / baseline, 1),
         "targets": {"apply_events_per_s": 300_000, "replay_events_per_s": 200_000,
-                    "bytes_per_live_request": 2048},
+                    "bytes_per_live_request": 2048, "hot_p_bytes_per_live_lease": 1000,
+                    "hot_p_answers_per_heartbeat": 1},
         "machine": f"{os.cpu_count()} cores, {os.uname().machine}",
         "date": time.strftime("%Y-%m-%d"),
     }
