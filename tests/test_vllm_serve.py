@@ -458,6 +458,55 @@ def test_hostile_params_fail_that_request_and_everything_else_goes_on(route, cas
     assert_serves(route, 800 + sorted(HOSTILE).index(case))
 
 
+# ---- what operators alert on ------------------------------------------------
+
+def _metrics(url: str) -> dict[str, float]:
+    """An engine's /metrics as {sample with its labels: value}."""
+    r = httpx.get(f"{url}/metrics", timeout=30)
+    assert r.status_code == 200, r.text[:300]
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in r.text.splitlines() if line and not line.startswith("#")}
+
+
+def _total(samples: dict[str, float], name: str, where: str = "") -> float:
+    return sum(v for k, v in samples.items() if k.split("{")[0] == name and where in k)
+
+
+def test_the_dashboard_and_alerts_name_only_metrics_the_engines_export(route):
+    """Every metric the docs/monitoring dashboard and alert rules query is on P's and D's
+    /metrics; a rejection shows up there by its class, a hand-off as P's export and D's read."""
+    from test_vllm_units import monitoring_expressions, promql_metric_names
+
+    from kvhandoff.adapters.vllm.stats import REJECT_REASONS
+
+    assert_serves(route, 960)
+    d_before = _metrics(route.d.url)
+    prompt = text_prompt(961, 90)
+    params = prefill(route, prompt)
+    bad = decode(route, prompt, {**params, "remote_num_tokens": params["remote_num_tokens"] + 1})
+    assert bad.status_code >= 400, bad.text
+    rejected = 'reason="geometry"'
+    d = wait_for(lambda: (m := _metrics(route.d.url)) and _total(
+        m, "vllm:kvhandoff_rejected_by_reason_total", rejected) > _total(
+        d_before, "vllm:kvhandoff_rejected_by_reason_total", rejected) and m,
+        60, "D's /metrics to count the rejection as geometry")
+    p = wait_for(lambda: (m := _metrics(route.p.url)) and _total(
+        m, "vllm:kvhandoff_leases_exported_total") > 0 and m, 60, "P's /metrics to count exports")
+    assert _total(d, "vllm:kvhandoff_reads_completed_total") > 0
+    assert _total(d, "vllm:kvhandoff_rejected_by_reason_total") == _total(
+        d, "vllm:kvhandoff_rejected_total")
+    reasons = {k.split('reason="')[1].split('"')[0] for k in d
+               if k.startswith("vllm:kvhandoff_rejected_by_reason_total{")}
+    assert reasons == set(REJECT_REASONS), reasons  # every class, at zero or more; no others
+    names = {where: promql_metric_names(expr) for where, expr in monitoring_expressions()}
+    assert len(names) > 20 and all(names.values()), names
+    for engine, samples in (("P", p), ("D", d)):
+        exported = {k.split("{")[0] for k in samples}
+        missing = {where: n - exported for where, n in names.items() if n - exported}
+        assert not missing, (engine, missing)
+    assert_freed_once(route, params["remote_request_id"], released=True)
+
+
 # ---- the logs tell the truth; engines stopped the way operators stop them ----
 
 def _replay_check(*paths: Path) -> subprocess.CompletedProcess:

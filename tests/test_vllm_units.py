@@ -524,3 +524,194 @@ def test_sigterm_flushes_the_log_then_does_what_the_previous_handler_would(tmp_p
         for child in children.values():
             if child.poll() is None:
                 child.kill()
+
+
+# ---- failure classes: bounded labels; the monitoring docs name real metrics ----
+
+HOSTILE_REASON = 'geometry"} 1\nvllm:kvhandoff_evil_total{reason="pwned'
+
+
+def _d_worker(tmp_path):
+    from kvhandoff.adapters.vllm.worker import HandoffWorker
+    from kvhandoff.core.events import Side
+
+    return HandoffWorker(HandoffConfig.from_extra({"log_dir": str(tmp_path)}, env={}), "D-m",
+                         Side.D, 0, 1, COMPAT)
+
+
+def _prom(registry, labelnames=("engine",)):
+    from prometheus_client import Counter, Gauge, Histogram
+
+    from kvhandoff.adapters.vllm import stats as kstats
+
+    def bound(kind):
+        return lambda **kw: kind(registry=registry, **kw)
+    return kstats.prom_metrics_class()(
+        SimpleNamespace(kv_transfer_config=None),
+        {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)},
+        list(labelnames), {0: ["0"] * len(labelnames)})
+
+
+def test_rejections_are_counted_by_a_bounded_class_whatever_the_request_says(tmp_path, monkeypatch):
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    from kvhandoff.adapters.vllm import consumer
+    from kvhandoff.adapters.vllm import stats as kstats
+    from kvhandoff.adapters.vllm.metadata import Admit, StepPlan
+    from kvhandoff.core.errors import GeometryMismatch
+
+    # The class comes from the error's type, never from its text.
+    assert consumer.reject_class(MalformedTransferParams(HOSTILE_REASON)) == "malformed_params"
+    assert consumer.reject_class(RuntimeError("untrusted_producer")) == "other"
+    assert consumer.reject_class(GeometryMismatch("x", 1, 2)) == "geometry"
+    assert consumer.reject_class(HandshakeFailed("no answer")) == "handshake_failed"
+    with pytest.raises(PeerIncompatible) as version:
+        check_compatible(COMPAT, {**COMPAT, "cache_layout": {**LAYOUT.to_wire(), "version": 9}}, "P")
+    assert consumer.reject_class(version.value) == "layout_version"
+    with pytest.raises(PeerIncompatible) as head:
+        check_compatible(COMPAT, {**COMPAT, "head_size": 128}, "P")
+    assert consumer.reject_class(head.value) == "incompatible_peer"
+    assert kstats.failure_key("rejected", HOSTILE_REASON) == "rejected_other"
+    assert kstats.failure_key("reads_refused", "CONFIRMED") == "reads_refused_failed"
+
+    # Through D's worker, as the scheduler hands requests over.
+    w = _d_worker(tmp_path)
+    untrusted = {**GOOD.to_wire(), "remote_host": "10.9.9.9"}
+    version_error = ("kv_transfer_params['cache_layout_version']: expected 1, found 2 (P and D "
+                     "run different kvhandoff versions)")
+    w._d_plan(StepPlan(admits=[
+        Admit("a", None, HOSTILE_REASON, 300),  # the scheduler's text, with no identity
+        Admit("b", None, "kv_transfer_params['remote_port']: expected int, found str "
+                         f"{version_error!r}", 300),
+        Admit("c", None, version_error, 300),
+        Admit("d", untrusted, "", 300),
+    ]), time.monotonic())
+    # A P rank whose handshake fails: its waiting requests take the handshake's class.
+    w.transport = SimpleNamespace(metadata=lambda: b"D-META", lost_peers=lambda: [],
+                                  close=lambda: None)
+
+    def refused(*args):
+        check_compatible(COMPAT, {**COMPAT, "cache_layout": {**LAYOUT.to_wire(), "version": 9}}, "P")
+    monkeypatch.setattr(consumer, "handshake", refused)
+    w._d_plan(StepPlan(admits=[Admit("e", GOOD.to_wire(), "", 300)]), time.monotonic())
+    wait_for(lambda: all(b["done"].is_set() for b in w._handshakes.values()), 10, "the handshake")
+    w._finish_handshakes(time.monotonic())
+    w._d_plan(StepPlan(admits=[Admit("f", {**GOOD.to_wire(), "remote_request_id": "req-2"}, "",
+                                     300)]), time.monotonic())  # refused for 10 s, same class
+    stats = w.take_stats()
+    counted = {k: v for k, v in stats.items() if k.startswith("rejected_") and v}
+    assert counted == {"rejected_malformed_params": 2, "rejected_layout_version": 3,
+                       "rejected_untrusted_producer": 1}, counted
+    assert stats["rejected"] == 6
+    assert set(stats) <= {*kstats.COUNTERS, *kstats.FAILURE_KEYS, "read_s", "read_bytes"}
+    w.close()
+
+    # Exported: one counter per family, its label values the bounded set and nothing else.
+    registry = CollectorRegistry()
+    prom = _prom(registry)
+    prom.observe({**stats, f"rejected_{HOSTILE_REASON}": 5, "reads_refused_unsafe": 1,
+                  "reads_refused_PWNED": 7}, 0)
+    reasons = {s.labels["reason"]: s.value for m in registry.collect()
+               for s in m.samples if s.name == "vllm:kvhandoff_rejected_by_reason_total"}
+    assert set(reasons) == set(kstats.REJECT_REASONS)
+    assert reasons["layout_version"] == 3 and reasons["other"] == 0  # the hostile key: not read
+    verdicts = {s.labels["verdict"]: s.value for m in registry.collect()
+                for s in m.samples if s.name == "vllm:kvhandoff_reads_refused_total"}
+    assert verdicts == {"unsafe": 1, "unproven": 0, "failed": 0}
+    assert registry.get_sample_value("vllm:kvhandoff_rejected_total", {"engine": "0"}) == 6
+
+
+def test_p_counts_a_heartbeat_that_came_after_the_lease_ran_out():
+    from kvhandoff.core.events import Side, Stream
+    from kvhandoff.core.messages import Heartbeat
+    from kvhandoff.core.producer import ProducerEngine
+
+    e = ProducerEngine(Stream("P", Side.P, 0), 10.0)
+
+    def hb(rid, token="tok"):
+        return Heartbeat("D", 0, 0.0, (rid,), (token,))
+    for rid in ("r1", "r2", "r3"):
+        e.prefill_started(rid, 0.0)
+        e.exported(rid, 0.0, 4, (0,), "tok")
+    e.on_notification("D-agent", hb("r1"), 9.0)  # in time
+    assert e.counts["heartbeats_late"] == 0
+    e.on_notification("D-agent", hb("r2"), 10.5)  # past the deadline, not reaped yet
+    assert e.counts["heartbeats_late"] == 1  # (late, but P still held it: the lease goes on)
+    assert e.poll(11.0).expired == ["r3"]
+    e.on_notification("D-agent", hb("r3", token="guess"), 12.0)  # not its D: not counted
+    e.on_notification("stranger", hb("r1"), 30.0)  # r1 bound to D-agent by its heartbeat
+    assert e.counts["heartbeats_late"] == 1
+    e.on_notification("D-agent", hb("r3"), 12.0)  # reaped, then its D's heartbeat
+    assert e.counts["heartbeats_late"] == 2
+
+
+def monitoring_expressions() -> list[tuple[str, str]]:
+    """(where, PromQL) of every query in docs/monitoring: the dashboard's and the alert rules'."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    docs = Path(__file__).resolve().parent.parent / "docs" / "monitoring"
+    out = []
+    dash = json.loads((docs / "kvhandoff-dashboard.json").read_text())
+    panels = list(dash["panels"])
+    while panels:
+        panel = panels.pop(0)
+        panels += panel.get("panels", [])
+        out += [(f"dashboard {panel['title']!r}", t["expr"]) for t in panel.get("targets", [])]
+    for var in dash["templating"]["list"]:
+        query = var.get("query")
+        if isinstance(query, dict):  # label_values(SELECTOR, LABEL): the selector is PromQL
+            selector = query["query"].removeprefix("label_values(").rsplit(",", 1)[0]
+            out.append((f"dashboard variable {var['name']!r}", selector))
+    rules = yaml.safe_load((docs / "kvhandoff-alerts.yml").read_text())
+    out += [(f"alert {r['alert']}", r["expr"]) for g in rules["groups"] for r in g["rules"]]
+    return out
+
+
+_PROMQL_KEYWORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left",
+                    "group_right", "bool", "offset", "inf", "nan"}
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects (enough PromQL for docs/monitoring)."""
+    import re
+
+    s = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)  # string literals
+    s = re.sub(r"\{[^}]*\}", " ", s)  # label matchers
+    s = re.sub(r"\[[^\]]*\]", " ", s)  # ranges and subqueries
+    s = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", s)
+    names = set()
+    for m in re.finditer(r"(?<![\w.:$])[A-Za-z_:][\w:]*", s):
+        if s[m.end():].lstrip().startswith("(") or m.group().lower() in _PROMQL_KEYWORDS:
+            continue  # a function or an aggregation, or a keyword
+        names.add(m.group())
+    return names
+
+
+def test_promql_metric_names_finds_what_a_query_selects():
+    assert promql_metric_names(
+        'histogram_quantile(0.99, sum by (le, instance) (rate(vllm:a_bucket{x=~"a|b"}[5m]))) '
+        '/ on (instance) group_left sum without (reason) (vllm:b_total offset 5m) > 1e-9 '
+        'unless count(c) > bool 0') == {"vllm:a_bucket", "vllm:b_total", "c"}
+
+
+def test_the_monitoring_docs_name_only_metrics_the_connector_exports():
+    """Offline half of the check (tests/test_vllm_serve.py asks real engines' /metrics)."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    _prom(registry, ("model_name", "engine"))
+    exported = {s.name for m in registry.collect() for s in m.samples}
+    named = {n for _, expr in monitoring_expressions() for n in promql_metric_names(expr)}
+    ours = {n for n in named if n.startswith("vllm:kvhandoff_")}
+    assert ours and ours <= exported, sorted(ours - exported)
+    assert named - ours <= {"vllm:request_success_total"}, named - ours  # vLLM's own
+    # every failure family is watched by some alert
+    alerts = " ".join(expr for where, expr in monitoring_expressions() if where.startswith("alert"))
+    for name in ("rejected_by_reason", "reads_refused", "leases_expired", "heartbeats_late",
+                 "heartbeats_sent_late", "log_write_errors", "refused_events"):
+        assert f"vllm:kvhandoff_{name}_total" in alerts, name

@@ -22,9 +22,11 @@ from typing import Any
 
 import structlog
 
+from kvhandoff.adapters.vllm import stats as kstats
 from kvhandoff.adapters.vllm.metadata import Admit, Failure, StepPlan
 from kvhandoff.adapters.vllm.params import MalformedTransferParams, RemotePrefill
-from kvhandoff.adapters.vllm.side_channel import HandshakeFailed, handshake
+from kvhandoff.adapters.vllm.side_channel import HandshakeFailed, PeerIncompatible, handshake
+from kvhandoff.adapters.vllm.trust import UntrustedProducer
 from kvhandoff.core import messages
 from kvhandoff.core.errors import GeometryMismatch, MalformedMessage
 from kvhandoff.core.events import (
@@ -40,7 +42,7 @@ from kvhandoff.core.events import (
     SplitFailed,
     Validated,
 )
-from kvhandoff.core.groups import CacheLayout
+from kvhandoff.core.groups import CacheLayout, MalformedGroups
 from kvhandoff.core.lifecycle import (
     ConsumerRecord,
     DState,
@@ -71,8 +73,56 @@ _REFUSED_BECAUSE = {
 }
 
 
+_VERDICT_CLASS = {Verdict.UNSAFE: "unsafe", Verdict.PENDING: "unproven", Verdict.FAILED: "failed"}
+
+
 class TransferParamsReused(MalformedTransferParams):
     """The parameters name a P request this D already took: they are single-use."""
+
+
+class ProducerRefused(MalformedTransferParams):
+    """The P rank the parameters name failed its handshake a moment ago (``reason_class``:
+    the failure's class, `reject_class` of the handshake's error)."""
+
+    def __init__(self, message: str, reason_class: str = "handshake_failed") -> None:
+        super().__init__(message)
+        self.reason_class = reason_class
+
+
+class LayoutVersionMismatch(MalformedTransferParams):
+    """The scheduler refused params of another ``cache_layout_version`` (a P of another
+    kvhandoff version)."""
+
+
+def _scheduler_error(error: str) -> MalformedTransferParams:
+    """The scheduler half's parse error (text by the time it reaches the worker), typed again.
+
+    The one distinction made is the field `parse_remote_prefill` names first, our
+    constant; what the client wrote follows it and is never looked at.
+    """
+    if error.startswith("kv_transfer_params['cache_layout_version']"):
+        return LayoutVersionMismatch(error)
+    return MalformedTransferParams(error)
+
+
+def reject_class(exc: BaseException) -> str:
+    """A rejection's class for the metrics (`stats.REJECT_REASONS`), from the error's type."""
+    if isinstance(exc, ProducerRefused):
+        return exc.reason_class
+    if isinstance(exc, MalformedGroups | PeerIncompatible):
+        cause = exc if isinstance(exc, MalformedGroups) else exc.__context__
+        if isinstance(cause, MalformedGroups) and cause.field == "version":
+            return "layout_version"
+    for kind, name in ((LayoutVersionMismatch, "layout_version"),
+                       (UntrustedProducer, "untrusted_producer"),
+                       (TransferParamsReused, "reused_params"),
+                       (HandshakeFailed, "handshake_failed"),
+                       (PeerIncompatible, "incompatible_peer"),
+                       (GeometryMismatch, "geometry"),
+                       (MalformedMessage, "malformed_params")):
+        if isinstance(exc, kind):
+            return name
+    return "other"
 
 
 @dataclass(slots=True)
@@ -137,7 +187,7 @@ class ConsumerHalf:
             return peer
         refused = self._refused.get(key)
         if refused is not None and now - refused[0] < 10.0:
-            raise MalformedTransferParams(f"P at {key[0]}:{key[1]}: {refused[1]}")
+            raise ProducerRefused(f"P at {key[0]}:{key[1]}: {refused[1]}", *refused[2:])
         if key not in self._handshakes:
             box: dict[str, Any] = {"done": threading.Event()}
             self._handshakes[key] = box
@@ -190,7 +240,11 @@ class ConsumerHalf:
                     log.info("vllm.worker.producer_connected", producer=hello["engine_id"],
                              agent=agent)
             if error is not None:
-                self._refused[key] = (now, f"handshake failed: {type(error).__name__}: {error}")
+                kind = reject_class(error)  # the class its parked requests are rejected as
+                if kind not in ("layout_version", "incompatible_peer"):
+                    kind = "handshake_failed"
+                self._refused[key] = (now, f"handshake failed: {type(error).__name__}: {error}",
+                                      kind)
                 log.error("vllm.worker.handshake_failed", address=f"{key[0]}:{key[1]}",
                           error=str(error), error_type=type(error).__name__)
             for a in self._parked.pop(key, []):
@@ -220,7 +274,7 @@ class ConsumerHalf:
         inc.parked = False
         try:
             if a.error and a.identity is None:
-                raise MalformedTransferParams(a.error)
+                raise _scheduler_error(a.error)
             if a.error or a.cleanup:
                 # Bad fields but a readable identity: admit, then reject, so
                 # the right P hears a notify-only release and frees at once.
@@ -246,6 +300,7 @@ class ConsumerHalf:
             inc.error = f"{type(exc).__name__}: {exc}"
             inc.remote = None
             self._count("rejected")
+            self._count(kstats.failure_key("rejected", reject_class(exc)))
             log.error("vllm.worker.request_rejected", local_request_id=local_id, error=inc.error)
             return
         rid = remote.request_id
@@ -255,6 +310,7 @@ class ConsumerHalf:
                             local_request_id=local_id):
             inc.error = "admission refused by the lifecycle"
             self._count("rejected")
+            self._count("rejected_lifecycle")
             return
         inc.admitted = True
         self._by_remote[rid] = local_id
@@ -265,6 +321,8 @@ class ConsumerHalf:
         if reason:
             inc.error = reason
             self._count("rejected")
+            kind = reject_class(_scheduler_error(a.error)) if a.error else "geometry"
+            self._count(kstats.failure_key("rejected", kind))
             log.error("vllm.worker.request_rejected", local_request_id=local_id, request_id=rid,
                       error=reason)
             self._record(Rejected, rid, now, reason=reason)
@@ -472,6 +530,7 @@ class ConsumerHalf:
                 waiting[:] = [a for a in waiting if a.local_id != local_id]
             inc.parked = False
         self._count("rejected")
+        self._count("rejected_internal_error")
         rid = inc.remote.request_id if inc.admitted and inc.remote else None
         rec = self._rec(rid) if rid else None
         try:
@@ -653,6 +712,9 @@ class ConsumerHalf:
                 self._reasked.add(key)
             self._urgent.discard(key)
             self._count("heartbeats_sent")
+            if any(rid not in self._fresh and now - self._rec(rid).last_heartbeat > 2 * period
+                   for rid in ordered):
+                self._count("heartbeats_sent_late")  # stats.COUNTERS says what "late" is
             for rid in ordered:
                 self._record(HeartbeatSent, rid, now)
                 self._fresh.discard(rid)
@@ -701,6 +763,7 @@ class ConsumerHalf:
         rec = self._rec(rid)
         ok = rec.state is DState.RECEIVED
         if not ok and not inc.gave_up:
+            self._count(kstats.failure_key("reads_refused", _VERDICT_CLASS.get(verdict, "failed")))
             log.error("vllm.worker.read_refused", request_id=rid, local_request_id=inc.local_id,
                       verdict=verdict.value, error=rec.failed or _REFUSED_BECAUSE.get(
                           verdict, "the reads brought nothing D may serve"))
