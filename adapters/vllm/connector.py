@@ -143,7 +143,10 @@ def _check_topology(vllm_config: VllmConfig, kv_cache_config: Any) -> CacheLayou
         problems.append("no kv_cache_config (vLLM >= 0.32 passes one to connectors)")
     else:
         try:
-            layout = cache_layout(kv_cache_config)
+            # The draft configuration is compared at the handshake: the engine's own count
+            # (a model without state groups has no scratch slots to read it from).
+            layout = cache_layout(kv_cache_config,
+                                  getattr(vllm_config, "num_speculative_tokens", None))
         except UnsupportedTopology as exc:
             problems.append(str(exc))
     if problems:

@@ -123,7 +123,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self._report_sending: set[str] = set()  # freed, vLLM not told yet
         # D
         self._peers: dict[tuple[str, int], ProducerLink] = {}  # (host, port) -> peer
-        self._refused: dict[tuple[str, int], tuple[float, str]] = {}
+        self._refused: dict[tuple[str, int], tuple[float, str, str]] = {}  # (when, why, class)
         self._handshakes: dict[tuple[str, int], dict[str, Any]] = {}  # address -> running handshake
         self._parked: dict[tuple[str, int], list[Any]] = {}  # address -> admissions waiting on it
         self._incoming: dict[str, IncomingHandoff] = {}  # local id -> adapter handle
