@@ -42,6 +42,33 @@ def poll_pause(seconds: float) -> None:
     _PAUSE.wait(seconds)
 
 
+def counting_listener(host: str = "127.0.0.1", port: int = 0):
+    """(socket, attempts): ``host:port`` accepting and counting connection attempts.
+
+    Stands at an address that is no P's, so a test can show that nothing
+    connected to it (``attempts`` stays empty); close the socket to stop it.
+    """
+    import socket
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(64)
+    sock.settimeout(0.05)
+    attempts: list = []
+
+    def accept() -> None:
+        while sock.fileno() != -1:
+            try:
+                conn, _ = sock.accept()
+                attempts.append(1)
+                conn.close()
+            except (TimeoutError, OSError):
+                continue
+    threading.Thread(target=accept, daemon=True, name="counting-listener").start()
+    return sock, attempts
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "phase(n): run after the module's tests of lower phases (default 0); for "

@@ -14,12 +14,11 @@ over the same setup: tests/test_vllm_serve_two_hosts.py.
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from conftest import poll_pause
+from conftest import counting_listener, poll_pause
 from structlog.testing import capture_logs
 
 pytest.importorskip("torch")
@@ -200,27 +199,6 @@ def test_a_hybrid_hand_off_between_two_hosts_reads_each_group_over_tcp(pair_fact
     th.assert_reads_over_tcp(*pair.outputs)
 
 
-def _listener(host: str, port: int) -> tuple[socket.socket, list]:
-    """``host:port`` accepting and counting connection attempts (an address of no P)."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(16)
-    sock.settimeout(0.05)
-    attempts: list = []
-
-    def accept() -> None:
-        while sock.fileno() != -1:
-            try:
-                conn, _ = sock.accept()
-                attempts.append(1)
-                conn.close()
-            except (TimeoutError, OSError):
-                continue
-    threading.Thread(target=accept, daemon=True).start()
-    return sock, attempts
-
-
 @pytest.mark.parametrize(("host", "shift", "rank"), [
     (STRANGER, 0, 0),  # another loopback "host", P's port
     (P_HOST, 1, 0),  # P's host, another port (another process there)
@@ -237,7 +215,7 @@ def test_d_refuses_a_producer_outside_its_trusted_list_before_a_packet_leaves(
     d = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "D-t", Side.D, rank, 2,
                       th.compat(2))
     dialed = (host, port + shift + rank)
-    listener, attempts = _listener(*dialed)
+    listener, attempts = counting_listener(*dialed)
     try:
         caches, _ = th._caches("llama", False, 0)
         d.register_kv_caches(caches, th.layout_of("llama"))

@@ -31,7 +31,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
+from conftest import counting_listener, wait_for
 
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
@@ -350,26 +350,6 @@ def test_a_batch_with_random_disconnects(route):
 
 # ---- malformed and hostile parameters ----------------------------------------
 
-def _listener() -> tuple[socket.socket, list]:
-    """A loopback port that counts connection attempts (an address of no P)."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    sock.settimeout(0.05)
-    attempts: list = []
-
-    def accept() -> None:
-        while sock.fileno() != -1:
-            try:
-                conn, _ = sock.accept()
-                attempts.append(1)
-                conn.close()
-            except (TimeoutError, OSError):
-                continue
-    threading.Thread(target=accept, daemon=True).start()
-    return sock, attempts
-
-
 # case: (what the router would have sent instead of P's parameters, what D's log says)
 HOSTILE = {
     "missing_block_ids": (lambda p, o: {k: v for k, v in p.items() if k != "remote_block_ids"},
@@ -428,7 +408,7 @@ def test_hostile_params_fail_that_request_and_everything_else_goes_on(route, cas
                                                      {**other, DEBUG_DELAY_KEY: SLOW_READ_S}))
         slow.start()
         wait_event(route.d_log, other["remote_request_id"], "reads_posted")
-    listener, attempts = _listener()
+    listener, attempts = counting_listener()
     mutate, reason = HOSTILE[case]
     seen = len(serve_log(route.d))
     try:

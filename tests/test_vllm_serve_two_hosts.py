@@ -17,12 +17,10 @@ once and ``replay --check`` clean, then ``kill -9`` of D.
 
 from __future__ import annotations
 
-import socket
-import threading
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
+from conftest import counting_listener, wait_for
 
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
@@ -144,21 +142,8 @@ def test_d_refuses_a_producer_on_another_loopback_host(route):
     """A client names 127.0.0.3 (not in D's trusted_producers): not one connection is made."""
     prompt = text_prompt(1300, 60)
     params = prefill(route, prompt)
-    sock = socket.socket()
-    sock.bind((STRANGER, route.side_port))  # something listens there, counting connections
-    sock.listen(8)
-    sock.settimeout(0.05)
-    attempts: list = []
-
-    def accept() -> None:
-        while sock.fileno() != -1:
-            try:
-                conn, _ = sock.accept()
-                attempts.append(1)
-                conn.close()
-            except (TimeoutError, OSError):
-                continue
-    threading.Thread(target=accept, daemon=True).start()
+    # something listens there, counting connections
+    sock, attempts = counting_listener(STRANGER, route.side_port)
     seen = len(serve_log(route.d))
     try:
         r = decode(route, prompt, {**params, "remote_host": STRANGER})
