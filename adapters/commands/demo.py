@@ -54,6 +54,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _print_p_and_replay(s: dict[str, Any], console: Any) -> None:
+    """What P did and what replay found: the same lines for both demos."""
+    console.print(f"  P: exported {s['p_exports']}, freed {s['p_frees']}, double frees "
+                  f"{s['double_frees']}, lease expiries {s['lease_expiries']}, "
+                  f"notify-only releases {s['notify_only_releases']}")
+    console.print(f"  replay --check: {s['replay_violations']} violations "
+                  f"(state {s['state_hash'][:12]})")
+    for v in s["violations"]:
+        console.print(f"    [red]{v['invariant']}[/] {v['event']}: {v['detail']}")
+
+
 def _print_human(s: dict[str, Any], console: Any) -> None:
     ok = "[green]yes[/]" if s["tokens_match"] else "[red]NO[/]"
     console.print(f"\n[bold]kvhandoff demo[/] — tiny {s['model']}, P → D over NIXL host memory, "
@@ -62,13 +73,7 @@ def _print_human(s: dict[str, Any], console: Any) -> None:
                   f"cancelled mid-read {s['cancelled']}, rejected (malformed params) {s['rejected']}")
     console.print(f"  tokens equal the single-engine greedy reference: {ok} "
                   f"({s['distinct_outputs']} distinct outputs)")
-    console.print(f"  P: exported {s['p_exports']}, freed {s['p_frees']}, double frees "
-                  f"{s['double_frees']}, lease expiries {s['lease_expiries']}, "
-                  f"notify-only releases {s['notify_only_releases']}")
-    console.print(f"  replay --check: {s['replay_violations']} violations "
-                  f"(state {s['state_hash'][:12]})")
-    for v in s["violations"]:
-        console.print(f"    [red]{v['invariant']}[/] {v['event']}: {v['detail']}")
+    _print_p_and_replay(s, console)
     console.print(f"  D time to first token median {s['d_ttft_ms_median']} ms, "
                   f"transfer median {s['transfer_ms_median']} ms")
     console.print(f"  event logs: {' '.join(s['event_logs'])}")
@@ -92,13 +97,7 @@ def _print_http_human(s: dict[str, Any], console: Any) -> None:
                   f"{s['latency_ms_median']} ms)")
     console.print(f"  engine processes died or restarted: {s['engine_restarts']} "
                   f"(exit codes after Ctrl-C: {s['exit_codes']})")
-    console.print(f"  P: exported {s['p_exports']}, freed {s['p_frees']}, double frees "
-                  f"{s['double_frees']}, lease expiries {s['lease_expiries']}, "
-                  f"notify-only releases {s['notify_only_releases']}")
-    console.print(f"  replay --check: {s['replay_violations']} violations "
-                  f"(state {s['state_hash'][:12]})")
-    for v in s["violations"]:
-        console.print(f"    [red]{v['invariant']}[/] {v['event']}: {v['detail']}")
+    _print_p_and_replay(s, console)
     console.print(f"  server logs: {' '.join(s['serve_logs'])}")
     console.print(f"  replay them: {s['replay_command']}")
 

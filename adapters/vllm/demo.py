@@ -52,6 +52,15 @@ def _median(xs: list[float]) -> float | None:
     return round(statistics.median(xs), 3) if xs else None
 
 
+# What a demo reports of `analyse_logs` (both demos, the same keys).
+REPORTED = ("p_exports", "p_frees", "double_frees", "lease_expiries", "notify_only_releases",
+            "replay_violations", "violations", "state_hash")
+
+
+def reported(analysis: dict[str, Any]) -> dict[str, Any]:
+    return {key: analysis[key] for key in REPORTED}
+
+
 def analyse_logs(paths: list[str]) -> dict[str, Any]:
     """Replay P's and D's logs together (the core's check) and count what happened."""
     from kvhandoff.core.events import Side
@@ -165,14 +174,7 @@ def run_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
         "cancelled": sum(1 for r in rids if done[r]["finish_reason"] == "aborted"),
         "rejected": sum(1 for r in rids if done[r]["finish_reason"] == "error"),
         "malformed_finish_reason": done[malformed]["finish_reason"],
-        "p_frees": analysis["p_frees"],
-        "p_exports": analysis["p_exports"],
-        "double_frees": analysis["double_frees"],
-        "lease_expiries": analysis["lease_expiries"],
-        "notify_only_releases": analysis["notify_only_releases"],
-        "replay_violations": analysis["replay_violations"],
-        "violations": analysis["violations"],
-        "state_hash": analysis["state_hash"],
+        **reported(analysis),
         "d_ttft_ms_median": _median([done[r]["ttft_ms"] for r in completed]),
         "transfer_ms_median": _median([done[r]["transfer_ms"] for r in completed]),
         "engine_start_s": round(start_s, 1),

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from kvhandoff.adapters.vllm.cluster import EngineFailed, free_port
-from kvhandoff.adapters.vllm.demo import DemoOptions, analyse_logs
+from kvhandoff.adapters.vllm.demo import DemoOptions, analyse_logs, reported
 from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY
 from kvhandoff.adapters.vllm.serve import ServeProcess, ServeSpec
 from kvhandoff.adapters.vllm.tiny_model import write_tiny_model
@@ -327,14 +327,7 @@ def run_http_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
                                            for e in _events(run.d_log, m["rid"])),
         "engine_restarts": engine_restarts,
         "exit_codes": exit_codes,
-        "p_exports": analysis["p_exports"],
-        "p_frees": analysis["p_frees"],
-        "double_frees": analysis["double_frees"],
-        "lease_expiries": analysis["lease_expiries"],
-        "notify_only_releases": analysis["notify_only_releases"],
-        "replay_violations": analysis["replay_violations"],
-        "violations": analysis["violations"],
-        "state_hash": analysis["state_hash"],
+        **reported(analysis),
         "latency_ms_median": _median([got[i]["latency_ms"] for i in completed]),
         "engine_start_s": round(start_s, 1),
         "event_logs": logs,
