@@ -165,3 +165,8 @@ def test_every_export_between_two_hosts_is_freed_once_and_replay_is_clean(route)
 @pytest.mark.phase(2)  # kills D
 def test_kill_9_of_d_on_its_host_and_p_frees_by_lease(route):
     one_host.test_kill_9_of_d_keeps_what_reached_the_os_and_p_frees_by_lease(route)
+
+
+@pytest.mark.phase(3)  # stops P
+def test_ctrl_c_of_p_on_its_host_exits_cleanly_and_leaves_a_complete_log(route):
+    one_host.test_ctrl_c_on_p_exits_cleanly_and_leaves_a_complete_log(route)
