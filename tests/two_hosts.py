@@ -379,3 +379,73 @@ class RemoteWorker:
 
     def peers(self) -> list[tuple[str, int]]:
         return self.host("peers", self.rank)
+
+
+# ---- a Qwen4-exp-shaped host: vLLM-planned tensors (tests/qwen4_plans.json) ----------
+
+
+def _qwen4_plan(variant: tuple[int, bool, int], rank: int) -> tuple[Any, Any]:
+    """``(layout, alloc)`` of one rank of the Qwen4-exp variant ``(mtp, apc, tp)``."""
+    import qwen4_layouts as q
+
+    data = json.loads((Path(__file__).parent / q.FIXTURE).read_text())
+    return q.load_plan(data, q.Variant(*variant), rank)
+
+
+class _Qwen4Host(_Host):
+    """A host whose ranks hold a Qwen4-exp variant's allocation (one int8 buffer per
+    rank, per-layer views as vLLM lays them out); P's filled from ``seed + rank``."""
+
+    def __init__(self, spec: HostSpec) -> None:  # noqa: D107 (no super: other caches)
+        from kvhandoff.adapters.vllm.config import HandoffConfig
+        from kvhandoff.adapters.vllm.worker import HandoffWorker
+        from kvhandoff.core.events import Side
+
+        variant = tuple(json.loads(spec.layout.removeprefix("qwen4:")))
+        self.workers, self.buffers = {}, {}
+        side = Side.P if spec.side == "P" else Side.D
+        for rank in range(spec.tp_size):
+            layout, alloc = _qwen4_plan(variant, rank)
+            cfg = HandoffConfig.from_extra(spec.extra, env=dict(os.environ))
+            compat_ = {"model": "q4", "tp_size": spec.tp_size}
+            w = HandoffWorker(cfg, spec.engine_id, side, rank, spec.tp_size, compat_)
+            views, raw = alloc("cpu", spec.seed + rank if side is Side.P else None)
+            w.register_kv_caches(views, layout)
+            self.workers[rank], self.buffers[rank] = w, raw
+
+    def raw(self, rank: int) -> bytes:
+        """The rank's whole allocation, as bytes."""
+        return self.buffers[rank].numpy().tobytes()
+
+
+def qwen4_layout_name(mtp: int, prefix_caching: bool, tp: int) -> str:
+    """`HostSpec.layout` of a Qwen4-exp host (`Qwen4HostProcess`)."""
+    return "qwen4:" + json.dumps([mtp, prefix_caching, tp])
+
+
+def _qwen4_host_main(conn: Any, spec: HostSpec) -> None:
+    global _Host
+    plain, _Host = _Host, _Qwen4Host  # _host_main builds `_Host(spec)`: this process's only host
+    try:
+        _host_main(conn, spec)
+    finally:
+        _Host = plain
+
+
+class Qwen4HostProcess(HostProcess):
+    """`HostProcess` whose ranks hold a Qwen4-exp variant (``spec.layout`` from
+    `qwen4_layout_name`); ``raw(rank)`` is the rank's allocation."""
+
+    def __init__(self, spec: HostSpec, timeout_s: float = 60.0) -> None:  # noqa: D107
+        self.spec = spec
+        self.timeout_s = timeout_s
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_qwen4_host_main, args=(child, spec), daemon=True,
+                                 name=f"kvh-q4-host-{spec.side}")
+        self._proc.start()
+        child.close()
+        self.pid = self._recv("start")
+
+    def raw(self, rank: int) -> bytes:
+        return self("raw", rank)
