@@ -41,14 +41,20 @@ class SimGroup:
     business (`blocks_needed`).  ``read_faults`` replaces the run's READ
     faults for this group's splits (a slow state group); ``held_by_d`` is
     the share of requests whose blocks of this group D holds already, so the
-    group needs no read (no split for it).
+    group needs no read (no split for it).  ``tokens_per_state`` (compressed
+    keys: the compress ratio) and ``tp_replicated`` (the PLE state: every TP
+    rank holds the whole state, `kv.copy_rank`) go to the `CacheGroup` as they
+    are; ``owner`` labels the group (``main_kv``, ``ring``, ``gdn``...).
     """
 
     kind: CacheKind
-    block_size: int = 16  # tokens per block
+    block_size: int = 16  # tokens per block (a key ring: its capacity)
     window: int = 0  # tokens (SLIDING_WINDOW only)
     read_faults: ReadFaults | None = None
     held_by_d: float = 0.0
+    tokens_per_state: int = 1
+    tp_replicated: bool = False
+    owner: str = ""
 
 
 @dataclass(slots=True)
@@ -139,6 +145,8 @@ class RunConfig:
             for g in self.groups:
                 if (g.kind is CacheKind.SLIDING_WINDOW) != (g.window > 0):
                     raise ValueError(f"group {g}: a window exactly for sliding_window")
+                if g.tp_replicated and not g.kind.reads_state:
+                    raise ValueError(f"group {g}: tp_replicated only for a state (slot) kind")
         for phase in self.cancel.phases:
             if phase not in PHASES:
                 raise ValueError(f"cancel phase {phase!r}: expected one of {PHASES}")

@@ -447,9 +447,11 @@ class DecodeEngine:
         k = self.k
         if imp.reads:  # hybrid: each group's blocks from the positions that group holds
             n = imp.params.num_tokens
-            return all(kv.matches(self.words[d], read.local_ids, serial, d // k,
+            groups = self.layouts[0].groups
+            return all(kv.matches(self.words[d], read.local_ids, serial,
+                                  kv.copy_rank(groups[read.group], d // k),
                                   None if k == 1 else self.rows[d], read.group,
-                                  kv.group_positions(self.layouts[d].groups[read.group], n).start)
+                                  kv.group_positions(groups[read.group], n).start)
                        for d, read in imp.reads)
         return all(kv.matches(words, imp.local_ids, serial, d // k,
                               None if k == 1 else self.rows[d])

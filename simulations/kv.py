@@ -95,8 +95,17 @@ def cache_layout(groups: Sequence, names: Sequence[str], num_blocks: int,
     regions = tuple(CacheRegion(n, block_bytes) for n in names)
     return CacheLayout(tuple(
         CacheGroup(i, g.kind, g.block_size, num_blocks, regions, window=g.window,
-                   owner=g.kind.value)
+                   owner=g.owner or g.kind.value, tokens_per_state=g.tokens_per_state,
+                   tp_replicated=g.tp_replicated)
         for i, g in enumerate(groups)))
+
+
+def copy_rank(group: CacheGroup, rank: int) -> int:
+    """The rank a block of ``group`` on P rank ``rank`` names in its tokens: ``rank``
+    itself (each rank holds its shard), or 0 for a ``tp_replicated`` group, whose every
+    rank holds the same whole state (vLLM's PLE ``MambaSpec(tp_replicated=True)``): the
+    copies are byte for byte alike, and D's check accepts any of them."""
+    return 0 if group.tp_replicated else rank
 
 
 def group_positions(group: CacheGroup, num_tokens: int) -> range:

@@ -152,7 +152,8 @@ class PrefillEngine:
                 else:
                     for g, group_ids in zip(self.layout.groups, per_group, strict=True):
                         first = kv.group_positions(g, req.num_tokens).start
-                        kv.write(self.words[rank], group_ids, req.serial, rank, g.index, first)
+                        kv.write(self.words[rank], group_ids, req.serial,
+                                 kv.copy_rank(g, rank), g.index, first)
                 # One lease, one free for every group of the request (vLLM delays
                 # the free of all groups at once: docs/hybrid.md 1.5).
                 engine.exported(req.rid, now, len(ids), self.consumers[rank], token)

@@ -357,3 +357,98 @@ def _hybrid_window_no_read(cfg: RunConfig, rng: random.Random) -> None:
     _hybrid(cfg, rng, sliding={"held_by_d": rng.uniform(0.3, 0.8)})
     cfg.prefix_hit = rng.uniform(0.1, 0.3)  # D holds every group: nothing to read
     cfg.cancel = CancelPlan(0.1, ("admitted", "reads_posted"), (0.0, 0.02))
+
+
+# --- the seed model: Qwen4-exp's cache owners (issue #15, docs/hybrid.md) ----------------
+
+# The groups of `_qwen4`'s layout, in order: QSA main KV, QSA compressed keys, QSA key-state
+# ring, GDN state, PLE short-conv state.
+MAIN_KV, COMPRESSED, RING, GDN, PLE = range(5)
+QWEN4_OWNERS = ("main_kv", "compressed_key", "ring", "gdn", "ple")
+
+
+def _qwen4(cfg: RunConfig, rng: random.Random, **per_owner: dict) -> None:
+    """The seed model's transfer groups (vLLM 0.32's ``models/qwen4_exp``), one `SimGroup`
+    per cache owner, in `QWEN4_OWNERS` order:
+
+    * ``main_kv``: the QSA main KV, full attention (``FullAttentionSpec``), blocks of 16;
+    * ``compressed_key``: the QSA compressed keys (``MLAAttentionSpec(tokens_per_state=
+      compress_ratio)``), block table following the main KV: every prompt block, one
+      state per ``compress_ratio`` (4 or 8) tokens;
+    * ``ring``: the QSA key-state ring (``CircularBufferSpec``), one block per request of
+      capacity ``compress_ratio + num_speculative_tokens`` (0–3 draft tokens);
+    * ``gdn``: the GDN linear-attention state (``MambaSpec``): the slot the request ends with;
+    * ``ple``: the PLE short-conv state (``MambaSpec(tp_replicated=True)``): one slot, the
+      whole state on every TP rank (`kv.copy_rank`).
+
+    Prompts of 1–128 tokens: 1–8 blocks each of main KV and compressed keys plus three
+    slots.  ``per_owner`` maps an owner name to `SimGroup` fields.  What the simulator
+    leaves out: MTP's scratch slots after the state slot (P exports the clipped lists,
+    `core.planning.export_ids`) and the real per-owner page sizes (every group overlays the
+    same regions, as vLLM's hybrid allocator does).
+    """
+    ratio = rng.choice((4, 8))
+    capacity = ratio + rng.randint(0, 3)
+    kinds = {"main_kv": (CacheKind.FULL_ATTENTION, 16, {}),
+             "compressed_key": (CacheKind.COMPRESSED_KEY, 16, {"tokens_per_state": ratio}),
+             "ring": (CacheKind.KEY_RING, capacity, {}),
+             "gdn": (CacheKind.LINEAR_STATE, 16, {}),
+             "ple": (CacheKind.LAYER_EMBEDDING, 16, {"tp_replicated": True})}
+    cfg.groups = tuple(SimGroup(kind, size, owner=owner, **fixed, **per_owner.get(owner, {}))
+                       for owner, (kind, size, fixed) in kinds.items())
+    cfg.tokens_per_request = (1, 128)
+    cfg.p_blocks = cfg.d_blocks = 256  # up to 19 blocks a request over the groups
+
+
+@scenario("qwen4_slow_ring_split",
+          "the seed model (QSA main KV, compressed keys, key ring, GDN, PLE): the key ring's "
+          "READ takes 0.2-2 leases, the other owners' milliseconds; P holds every owner until "
+          "the ring's split drained")
+def _qwen4_slow_ring(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.read_faults = ReadFaults(slow=0.5, slow_s=(0.001, 0.05))
+    _qwen4(cfg, rng, ring={"read_faults": ReadFaults(
+        slow=1.0, slow_s=(0.2 * cfg.lease_s, 2.0 * cfg.lease_s))})
+
+
+@scenario("qwen4_owner_failure",
+          "the seed model: one cache owner's splits fail (30-70 %) while the other owners' "
+          "READs (up to 0.5 lease) are in flight: the request fails, P frees once, after "
+          "every split drained")
+def _qwen4_owner_failure(cfg: RunConfig, rng: random.Random) -> None:
+    failing = rng.choice(QWEN4_OWNERS)
+    cfg.read_faults = ReadFaults(slow=0.7, slow_s=(0.01, 0.5 * cfg.lease_s))
+    _qwen4(cfg, rng, **{failing: {"read_faults": ReadFaults(fail=rng.uniform(0.3, 0.7))}})
+
+
+@scenario("qwen4_cancel_during_gdn_read",
+          "the seed model: the client cancels after the attention owners' READs landed while "
+          "the GDN state's READ (1.2-2.5 leases) is in flight (vLLM 0.32 stops heartbeating: "
+          "P frees under the GDN READ)")
+def _qwen4_cancel_gdn(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.read_faults = ReadFaults(slow=0.5, slow_s=(0.001, 0.05))
+    _qwen4(cfg, rng, gdn={"read_faults": ReadFaults(
+        slow=1.0, slow_s=(1.2 * cfg.lease_s, 2.5 * cfg.lease_s))})
+    cfg.cancel = CancelPlan(rng.uniform(0.4, 0.9), ("reads_posted",), (0.1, 0.3 * cfg.lease_s))
+
+
+@scenario("qwen4_tp2_replicated_ple",
+          "the seed model at TP 2 on both sides: the PLE state is whole on each P rank "
+          "(tp_replicated) and each D rank READs its own P rank's copy; PLE READs are the "
+          "slow ones (up to 0.5 lease), some fail, some clients cancel: each P rank frees "
+          "once, after its own reader's splits drained")
+def _qwen4_tp2_ple(cfg: RunConfig, rng: random.Random) -> None:
+    """TP 2 → 2.  How the simulator models ``tp_replicated``: P writes the PLE group's
+    blocks alike on both ranks (`kv.copy_rank`: the tokens name rank 0 on every rank, so the
+    copies are byte for byte equal, as vLLM's replicated state is), while the hand-off stays
+    rank-local as kvhandoff's connector does it: D rank d plans and posts its PLE split from
+    P rank d (`plan_group_reads(rank=d)`, one split per (rank, group)), and P rank d frees
+    its copy only on D rank d's release (or its lease).  Reading the state once, from one
+    rank, would leave the other D rank's copy unfilled and tie P rank 1's free to a split
+    that never read it; the simulator does not model that alternative.
+    """
+    cfg.tp, cfg.d_tp = 2, None
+    cfg.read_faults = ReadFaults(slow=0.5, slow_s=(0.001, 0.05))
+    _qwen4(cfg, rng, ple={"read_faults": ReadFaults(
+        fail=rng.uniform(0.0, 0.2), slow=0.7, slow_s=(0.01, 0.5 * cfg.lease_s))})
+    cfg.cancel = CancelPlan(rng.uniform(0.1, 0.4), ("admitted", "reads_posted"),
+                            (0.0, 0.2 * cfg.lease_s))
