@@ -99,9 +99,22 @@ def test_the_seed_configuration_starts_on_both_sides(role):
     assert conn.scheduler.backoff == 1  # state groups: P leaves the last token to D
 
 
+def test_mamba2_s_checkpoint_slot_without_align_is_served():
+    """vLLM's Mamba2 mixer declares a checkpoint slot in every mode; only 'align' uses it."""
+    import torch as t
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, MambaSpec
+
+    s = MambaSpec(shapes=((4, 4),), dtypes=(t.float16,), block_size=16,
+                  num_prefill_checkpoint_blocks=1, mamba_cache_mode="none")
+    kvc = KVCacheConfig(4, [KVCacheTensor(4 * s.page_size_bytes, ["a"], s.page_size_bytes * 4,
+                                          s.page_size_bytes)],
+                        [KVCacheGroupSpec(["a"], s)])
+    assert [g.kind for g in cache_layout(kvc).groups] == [CacheKind.MAMBA_STATE]
+
+
 @pytest.mark.parametrize(("spec", "named"), [
     (lambda s: dataclasses.replace(s, extra_retained_tokens=3), "extra_retained_tokens=3"),
-    (lambda s: dataclasses.replace(s, num_prefill_checkpoint_blocks=1),
+    (lambda s: dataclasses.replace(s, num_prefill_checkpoint_blocks=1, mamba_cache_mode="align"),
      "num_prefill_checkpoint_blocks=1"),
 ])
 def test_what_stays_unsupported_is_refused_naming_spec_and_field(spec, named):

@@ -51,11 +51,13 @@ class SpecRule:
     """How one vLLM spec class maps to a kind.
 
     ``kind`` picks the kind from the spec; ``refuse`` lists ``(field, test,
-    why)``: a spec whose ``field`` passes ``test`` is refused, naming it.
+    why)``: a spec whose ``field`` passes ``test`` is refused, naming it.  A
+    ``test`` of two parameters also gets the spec (a field that matters only
+    with another field's value).
     """
 
     kind: Callable[[Any], CacheKind]
-    refuse: tuple[tuple[str, Callable[[Any], bool], str], ...] = ()
+    refuse: tuple[tuple[str, Callable[..., bool], str], ...] = ()
 
 
 def _mla_kind(spec: Any) -> CacheKind:
@@ -93,7 +95,11 @@ SPEC_KINDS: dict[str, SpecRule] = {
     "HiddenStateCacheSpec": SpecRule(lambda s: CacheKind.FULL_ATTENTION, _DENSE),
     "CircularBufferSpec": SpecRule(lambda s: CacheKind.KEY_RING),
     "MambaSpec": SpecRule(_mamba_kind, (
-        ("num_prefill_checkpoint_blocks", bool, "prefill checkpoint slots (KDA)"),
+        # vLLM's Mamba2 mixer declares one checkpoint slot whatever the mode; vLLM
+        # allocates and reads checkpoint slots in 'align' mode only.
+        ("num_prefill_checkpoint_blocks", lambda n, spec: n > 0 and spec.mamba_cache_mode
+         == "align", "prefill checkpoint slots with mamba_cache_mode 'align' (KDA, Mamba2 "
+         "with prefix caching)"),
         ("mamba_cache_mode", lambda m: m not in ("none", "align"), "a mode other than 'none' "
          "and 'align'"),)),
 }
@@ -108,7 +114,8 @@ def spec_kind(where: str, spec: Any) -> CacheKind:
                                   f"{', '.join(SPEC_KINDS)})")
     for field, test, why in rule.refuse:
         value = getattr(spec, field, None)
-        if test(value):
+        takes_spec = getattr(test, "__code__", None) is not None and test.__code__.co_argcount == 2
+        if test(value, spec) if takes_spec else test(value):
             raise UnsupportedTopology(f"{where}: {name}.{field}={value!r} is not supported ({why})")
     return rule.kind(spec)
 
