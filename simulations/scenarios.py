@@ -12,7 +12,9 @@ only promise left is the one that matters, that D never serves those bytes.
 
 The ``hybrid_*`` scenarios run a hybrid model (docs/hybrid.md): every
 request is a full-attention group, a sliding-window group and a Mamba state
-group, one READ per (rank, group) that needs a read.
+group, one READ per (rank, group) that needs a read.  The ``qwen4_*``
+scenarios run the seed model's five cache owners (`_qwen4`: QSA main KV,
+compressed keys, key ring, GDN state, the TP-replicated PLE state).
 
 docs/simulation.md describes each scenario; keep the two in step.
 """
