@@ -29,9 +29,13 @@ What is checked against vLLM's own computation, not the connector's:
   and pair with P's lists group by group (`plan_group_reads`), state groups into
   the slot vLLM's ``clip_ssm_state_blocks`` names on D.  After
   ``finished_recving`` vLLM schedules the one token D computes itself.
-* A prefix hit on D with 'align' checkpoints: a local request with the same
-  prompt prefix leaves cached blocks, vLLM's manager reports a hit at a block
-  boundary, and the Read leaves the hit's blocks out.
+* Prefix hits with 'align' checkpoints, on both sides: a local request with the
+  same prompt prefix leaves cached blocks and vLLM's manager reports a hit at a
+  block boundary.  D's Read leaves the hit's blocks out (P's blocks past the hit,
+  position for position; the state slot is read over the checkpoint); P's export
+  still hands over every computed token's block, the hit's cached ones included.
+
+Nothing here needed CUDA or a model: every piece the brief names was built.
 """
 
 from __future__ import annotations
@@ -252,3 +256,98 @@ def test_d_allocates_through_vllm_s_manager_and_the_read_fits_each_group(tmp_pat
     assert len(drafts) == spec_blocks  # vLLM's MTP placeholders, not prompt tokens
     assert out.num_scheduled_tokens[req.request_id] - len(drafts) == PROMPT - n == 1
     assert req.num_output_tokens == 1  # the model's first token, from D's own step
+
+
+def test_d_prefix_hit_with_align_checkpoints_reads_only_past_the_hit(tmp_path):
+    from vllm.v1.kv_cache_interface import CircularBufferSpec, MambaSpec
+
+    prompt = list(range(1, PROMPT + 1))
+    _, _, finished = _prefill_on_p(tmp_path, prompt)
+    p_params = finished[0][2][1]
+    n = p_params["remote_num_tokens"]
+    s, _, hbs = _scheduler(tmp_path, "kv_consumer", "D-q4")
+    asked = []
+    real = s.connector.get_num_new_matched_tokens
+
+    def spy(request, num_computed_tokens):
+        answer = real(request, num_computed_tokens)
+        asked.append((request.request_id, num_computed_tokens, answer))
+        return answer
+
+    s.connector.get_num_new_matched_tokens = spy
+    local = _request(prompt[:200], hbs)  # a local request sharing the first 200 tokens
+    s.add_request(local)
+    for _ in range(6):
+        _step(s)
+    assert local.is_finished() and local.request_id not in s.requests
+    req = _request(prompt, hbs, _d_params(p_params), max_tokens=4)
+    s.add_request(req)
+    out = _step(s)
+    ((_, hit, answer),) = [a for a in asked if a[0] == req.request_id]
+    bs = s.kv_cache_config.transfer_groups[-1].kv_cache_spec.block_size
+    # vLLM's manager found a hit at an 'align' checkpoint: a block boundary, inside the
+    # shared 200 tokens; the connector asks for the rest of what P computed.
+    assert 0 < hit < 200 and hit % bs == 0, hit
+    assert answer == (n - hit, True)
+    (read,) = out.kv_connector_metadata.plan.reads
+    table = s.kv_cache_manager.get_block_ids(req.request_id)
+    pool = s.kv_cache_manager.block_pool.blocks
+    spec_blocks = s.vllm_config.speculative_config.num_speculative_tokens
+    for g, mine, got in zip(s.kv_cache_config.transfer_groups, table, read.local_block_ids,
+                            strict=True):
+        spec = g.kv_cache_spec
+        if isinstance(spec, MambaSpec):  # the hit's checkpoint is D's; the slot is read over it
+            assert got == [b for b in mine if b][-1 - spec_blocks:]
+        elif isinstance(spec, CircularBufferSpec):
+            assert got == mine and len(got) == 1
+        else:  # the hit's blocks are D's own (cached by the local request): not read
+            assert all(pool[b].block_hash is not None for b in mine[:hit // bs])
+            assert got == mine[hit // bs:-(-n // bs)]
+    layout = s.connector.layout
+    rplan = plan_group_reads(layout, layout, p_params["remote_block_ids"],
+                             read.local_block_ids, n, null_block=0)
+    for r, g, theirs in zip(rplan.reads, s.kv_cache_config.transfer_groups,
+                            p_params["remote_block_ids"], strict=True):
+        if not isinstance(g.kv_cache_spec, (MambaSpec, CircularBufferSpec)):
+            # P's blocks past the hit, position for position
+            assert list(r.remote_ids) == theirs[hit // bs:]
+            assert list(r.local_ids) == read.local_block_ids[list(s.kv_cache_config.transfer_groups).index(g)]
+        else:
+            assert list(r.remote_ids) == theirs
+
+
+def test_p_prefix_hit_exports_the_shared_blocks_and_the_running_slot(tmp_path):
+    """P with prefix caching: a prompt sharing an earlier local request's prefix hits
+    vLLM's cache at an 'align' checkpoint; its export is still every computed token's
+    block (the hit's cached blocks included) and each state group's running slot."""
+    s, finished, hbs = _scheduler(tmp_path, "kv_producer", "P-q4")
+    prompt = list(range(1, PROMPT + 1))
+    local = _request(prompt[:200], hbs)
+    s.add_request(local)
+    for _ in range(6):
+        _step(s)
+    assert local.is_finished() and local.request_id not in s.requests
+    # vLLM asks the connector about every request; not a remote decode: nothing kept
+    assert [(r, a) for r, _, a in finished] == [(local.request_id, (False, None))]
+    params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+              "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    req = _request(prompt, hbs, params)
+    s.add_request(req)
+    out = _step(s)
+    (new,) = out.scheduled_new_reqs
+    bs = s.kv_cache_config.transfer_groups[-1].kv_cache_spec.block_size
+    hit = new.num_computed_tokens
+    assert 0 < hit < 200 and hit % bs == 0, hit  # vLLM's hit, at an 'align' checkpoint
+    for _ in range(6):
+        if len(finished) == 2:
+            break
+        _step(s)
+    (rid, block_ids, (delay_free, got)) = finished[1]
+    n = PROMPT - 1
+    assert rid == req.request_id and delay_free and got["remote_num_tokens"] == n
+    assert got["remote_block_ids"] == _vllm_clip(s.kv_cache_config, block_ids, n)
+    pool = s.kv_cache_manager.block_pool.blocks
+    prompt_blocks = got["remote_block_ids"][-1]
+    assert len(prompt_blocks) == -(-n // bs)
+    # The hit's blocks (cached by the local request) are handed over with the rest.
+    assert all(pool[b].block_hash is not None for b in prompt_blocks[:hit // bs])
