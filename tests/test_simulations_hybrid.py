@@ -204,22 +204,24 @@ def test_the_cancel_lands_after_the_kv_groups_and_before_the_state_group():
     assert between
 
 
-def test_the_checks_catch_vllm_032_freeing_under_the_state_read(tmp_path):
+@pytest.mark.parametrize(("scenario", "seeds"), [("hybrid_cancel_during_state_read", 10),
+                                               ("qwen4_cancel_during_gdn_read", 4)])
+def test_the_checks_catch_vllm_032_freeing_under_a_state_read(tmp_path, scenario, seeds):
     caught = replayed = 0
-    for seed in range(10):
-        world = World(build("hybrid_cancel_during_state_read", seed, "vllm-0.32"))
+    for seed in range(seeds):
+        world = World(build(scenario, seed, "vllm-0.32"))
         try:
             world.run(on_step=World.check_heartbeats)
         except AssertionError as e:
             assert "no heartbeat sent to it" in str(e)
             caught += 1
-        result = run_one("hybrid_cancel_during_state_read", seed, "vllm-0.32")
+        result = run_one(scenario, seed, "vllm-0.32")
         p, d = tmp_path / "p.jsonl", tmp_path / "d.jsonl"
         p.write_bytes(result.p_log)
         d.write_bytes(result.d_log)
         replayed += any(v.invariant == "heartbeat_gap" for v in replay(read_logs([p, d])).violations)
     assert caught and replayed
-    World(build("hybrid_cancel_during_state_read", 1)).run(on_step=World.check_heartbeats)
+    World(build(scenario, 1)).run(on_step=World.check_heartbeats)
 
 
 def test_a_sliding_group_d_holds_posts_no_split_and_no_group_to_read_is_notify_only():
@@ -435,24 +437,6 @@ def test_the_cancel_lands_after_the_attention_owners_and_before_the_gdn_state():
                 beats = [e["t"] for e in history if e["type"] == "heartbeat_sent" and e["t"] > t]
                 assert beats and max(beats) > gdn - 30.0, "kvhandoff heartbeats until it drains"
     assert between
-
-
-def test_the_checks_catch_vllm_032_freeing_under_the_gdn_read(tmp_path):
-    caught = replayed = 0
-    for seed in range(4):
-        world = World(build("qwen4_cancel_during_gdn_read", seed, "vllm-0.32"))
-        try:
-            world.run(on_step=World.check_heartbeats)
-        except AssertionError as e:
-            assert "no heartbeat sent to it" in str(e)
-            caught += 1
-        result = run_one("qwen4_cancel_during_gdn_read", seed, "vllm-0.32")
-        p, d = tmp_path / "p.jsonl", tmp_path / "d.jsonl"
-        p.write_bytes(result.p_log)
-        d.write_bytes(result.d_log)
-        replayed += any(v.invariant == "heartbeat_gap" for v in replay(read_logs([p, d])).violations)
-    assert caught and replayed
-    World(build("qwen4_cancel_during_gdn_read", 1)).run(on_step=World.check_heartbeats)
 
 
 def test_tp2_each_p_rank_holds_the_same_ple_state_and_each_d_rank_reads_its_own_copy():
