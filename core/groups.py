@@ -21,6 +21,14 @@ Theory of operation
   tokens per block, the regions it reads, the layers it serves, and, for a
   sliding window, the window in tokens; for state kinds, the trailing
   speculative scratch slots vLLM allocates after the running state.
+* A region lives in one of the engine's pools (`Memory`): the device pool
+  every group shares, or a host pool of its own (vLLM 0.32's HiSparse keeps
+  a sparse-attention model's KV history in host DRAM on D: the group reading
+  it numbers its blocks in that pool, ``num_blocks`` its size).  ``stride``
+  is the bytes between two blocks of a region where they are not adjacent
+  (a device row shared with groups that are not transferred).  Memory,
+  stride and offset are this engine's knowledge: never on the wire, never
+  compared (P's layout with HiSparse off pairs with D's with it on).
 * A `CacheLayout` is every group of one rank plus the schema version.
   `to_wire` / `from_wire` carry it as plain JSON; `from_wire` refuses
   anything malformed with `MalformedGroups` naming the group and field, and
@@ -40,6 +48,13 @@ from typing import Any
 from kvhandoff.core.errors import GeometryMismatch, MalformedMessage
 
 SCHEMA_VERSION = 1
+
+
+class Memory(StrEnum):
+    """Which of the engine's pools a region's blocks are in."""
+
+    DEVICE = "device"  # the pool every group shares (GPU memory on a GPU engine)
+    HOST = "host"  # a host (DRAM) pool of its own: vLLM's HiSparse source group on D
 
 
 class Reads(StrEnum):
@@ -125,6 +140,15 @@ class CacheRegion:
     # Where block 0 sits in this engine's backing allocation (`tensor_regions`); local
     # knowledge, never on the wire: P and D size their pools, hence their offsets, apart.
     offset: int = field(default=-1, compare=False)
+    # The pool the blocks are in, and the bytes from one block to the next (0: adjacent,
+    # ``block_bytes``); local knowledge like ``offset``.
+    memory: Memory = field(default=Memory.DEVICE, compare=False)
+    stride: int = field(default=0, compare=False)
+
+    @property
+    def block_stride(self) -> int:
+        """Bytes from block *b* to block *b + 1* in this engine's allocation."""
+        return self.stride or self.block_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,18 +179,29 @@ class CacheLayout:
     speculative_tokens: int = 0  # the engine's num_speculative_tokens (draft tokens per step)
     # vLLM's index of each group here (its transfer groups) and how many groups vLLM has:
     # local knowledge to cut vLLM's per-group block lists (`select`), never on the wire.
+    # Two groups here may come from one of vLLM's (one block table, layers split by kind).
     source_groups: tuple[int, ...] = field(default=(), compare=False)
     num_source_groups: int = field(default=0, compare=False)
+    # A host pool's geometry (vLLM's ``hisparse_host_block_stride`` and
+    # ``hisparse_shared_host_pool``): this engine's business, never on the wire.
+    host_block_stride: int = field(default=0, compare=False)
+    shared_host_pool: bool = field(default=False, compare=False)
 
     def select(self, block_ids: Sequence[Any]) -> tuple[Any, ...]:
-        """vLLM's per-group lists (every group, or already one per group here) cut to
-        this layout's groups, as vLLM's ``select_transfer_block_ids`` does."""
-        if len(block_ids) == len(self.groups) or not self.source_groups:
+        """vLLM's per-group lists cut to this layout's groups, as vLLM's
+        ``select_transfer_block_ids`` does: every group's list, or vLLM's transfer groups'
+        only, or already one per group here."""
+        if not self.source_groups:
             return tuple(block_ids)
-        if len(block_ids) != self.num_source_groups:
-            raise GroupMismatch(None, "block id lists (vLLM's KV cache groups)",
-                                self.num_source_groups, len(block_ids))
-        return tuple(block_ids[i] for i in self.source_groups)
+        if len(block_ids) == self.num_source_groups:
+            return tuple(block_ids[i] for i in self.source_groups)
+        transfer = sorted(set(self.source_groups))
+        if len(block_ids) == len(transfer):
+            return tuple(block_ids[transfer.index(i)] for i in self.source_groups)
+        if len(block_ids) == len(self.groups):
+            return tuple(block_ids)
+        raise GroupMismatch(None, "block id lists (vLLM's KV cache groups)",
+                            self.num_source_groups, len(block_ids))
 
     def regions(self) -> tuple[CacheRegion, ...]:
         """Each physical region once, in first-use order, however many groups share it."""
@@ -203,7 +238,8 @@ class CacheLayout:
         is a key ring's capacity, window, speculative slots, tokens per state,
         which is the compress ratio, whether TP ranks replicate the state,
         whether it holds draft layers) and its regions (names and bytes per
-        block).  Pool sizes (each engine sizes its own), layer
+        block).  Pool sizes (each engine sizes its own), which pool a region is
+        in and its stride (a HiSparse D's host pool and shared rows), layer
         names and owner labels are not compared: block ids are checked per
         request against each side's pool, and names describe, they do not
         decide where bytes go.  A mismatch names the group and the field.

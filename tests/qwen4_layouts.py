@@ -83,7 +83,6 @@ def vllm_config(v: Variant, role: str | None = None, engine_id: str = "E") -> An
         CacheConfig,
         KVTransferConfig,
         ParallelConfig,
-        SpeculativeConfig,
         VllmConfig,
     )
 
@@ -96,14 +95,7 @@ def vllm_config(v: Variant, role: str | None = None, engine_id: str = "E") -> An
                                kv_connector_module_path="kvhandoff.adapters.vllm.connector")
     cfg = VllmConfig(model_config=_model_config(), cache_config=cache,
                      parallel_config=ParallelConfig(tensor_parallel_size=v.tp), kv_transfer_config=kvt)
-    if v.mtp:
-        # SpeculativeConfig(method="mtp") resolves the draft from the target's HF config,
-        # which needs the real checkpoint; the planner reads these three fields only.
-        spec = object.__new__(SpeculativeConfig)
-        for k, val in (("method", "mtp"), ("num_speculative_tokens", v.mtp),
-                       ("disable_eagle_block_drop", False)):
-            object.__setattr__(spec, k, val)
-        cfg.speculative_config = spec
+    _set_mtp(cfg, v)
     # platforms/interface.py `_align_hybrid_block_size`: raise the attention block (a
     # multiple of the kernel block, 16 for FlashAttention) until an attention page
     # holds the largest Mamba page, pad Mamba pages to it; 'align' checkpoints per block.
@@ -115,6 +107,20 @@ def vllm_config(v: Variant, role: str | None = None, engine_id: str = "E") -> An
     cache.mamba_page_size_padded = cache.block_size * attn_token
     cache.mamba_block_size = cache.block_size if v.prefix_caching else MAX_MODEL_LEN
     return cfg
+
+
+def _set_mtp(cfg: Any, v: Variant) -> None:
+    """SpeculativeConfig(method="mtp") resolves the draft from the target's HF config,
+    which needs the real checkpoint; the planner reads these three fields only."""
+    if not v.mtp:
+        return
+    from vllm.config import SpeculativeConfig
+
+    spec = object.__new__(SpeculativeConfig)
+    for k, val in (("method", "mtp"), ("num_speculative_tokens", v.mtp),
+                   ("disable_eagle_block_drop", False)):
+        object.__setattr__(spec, k, val)
+    cfg.speculative_config = spec
 
 
 def math_lcm(a: int, b: int) -> int:
@@ -324,3 +330,140 @@ def load_plan(data: dict[str, Any], v: Variant, rank: int) -> tuple[Any, Any]:
         return views, raw
 
     return layout, alloc
+
+
+# ---- HiSparse on D (issue #16): a DSA-shaped attention stack -------------------------------
+#
+# vLLM 0.32's HiSparse serves sparse-MLA (DSA) models only: its planner needs MLA layers of
+# role SPARSE and INDEXER (``v1/hisparse/layout.py: _partition_hisparse_specs``) and the HF
+# config's ``index_topk``.  Qwen4-exp's QSA owners declare neither role (`kv_cache_specs`
+# above), so vLLM refuses HiSparse for them; the HiSparse plans here keep the seed's
+# attention layers (3 and 7, plus the MTP layer) and their cache owners' names, with the
+# specs a DSA layer declares (``mla_attention.py: MLAAttention.get_kv_cache_spec``, the
+# indexer's ``deepseek_v2.py: DeepseekV32IndexerCache.get_kv_cache_spec``), and drop the
+# GDN / PLE state (NixlConnector's mixed host/device registration refuses Mamba layers).
+
+DSA_LAYERS = tuple(i for i, kind in enumerate(LAYER_TYPES) if kind == "full_attention")
+DSA_HEAD, DSA_INDEX_HEAD, DSA_BLOCK, INDEX_TOPK = 80, 32, 64, 64  # latent + rope; indexer key
+HOST_POOL_GIB = 1 / 64  # HiSparseConnector's host_pool_gib: D's host pool
+HS_NUM_BLOCKS = 256  # D's device pool (the resident window needs more than NUM_BLOCKS)
+HS_VARIANTS = tuple(Variant(m, False, t) for m in (0, 2) for t in (1, 2))
+
+
+def dsa_specs(v: Variant) -> dict[str, Any]:
+    """One rank's ``{layer: spec}`` for the DSA-shaped stack (MLA: replicated on every rank)."""
+    import torch
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
+
+    prefixes = [f"model.layers.{i}" for i in DSA_LAYERS]
+    if v.mtp:
+        prefixes.append(f"mtp.layers.{len(LAYER_TYPES)}")
+    out: dict[str, Any] = {}
+    for p in prefixes:
+        out[f"{p}.self_attn.attn"] = MLAAttentionSpec(
+            block_size=DSA_BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=DSA_HEAD,
+            dtype=torch.bfloat16, cache_dtype_str="auto", is_index_group_leader=True)
+        out[f"{p}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
+            block_size=DSA_BLOCK, num_kv_heads=1, max_tp_shards=1, head_size=DSA_INDEX_HEAD,
+            dtype=torch.bfloat16, cache_role=SparseCacheRole.INDEXER)
+    return out
+
+
+def _dsa_backends() -> dict[str, Any]:
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
+    from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerBackend
+
+    return {"attn": FlashMLASparseBackend, "k_cache": DeepseekV32IndexerBackend}
+
+
+def _shared_pool_platform(shared: bool) -> Any:
+    """``use_shared_hisparse_host_pool`` asks ``current_platform.is_cuda_alike()``: a D on an
+    H200 at TP 2 shares its host pool; on this CPU machine the planner is told so."""
+    from unittest import mock
+
+    from vllm.v1.hisparse import runtime
+
+    return mock.patch.object(runtime.current_platform, "is_cuda_alike", lambda: shared)
+
+
+def _mla_model() -> Any:
+    """A DSA model is an MLA model (``ModelConfig.use_mla``): the tiny stand-in config says so
+    while the layout is resolved, so connectors ask what they ask of MLA models
+    (``KVHandoffConnector``: nothing; ``HiSparseConnector``: BLHNC)."""
+    from unittest import mock
+
+    from vllm.config import ModelConfig
+
+    return mock.patch.object(ModelConfig, "use_mla", property(lambda self: True))
+
+
+def hisparse_vllm_config(v: Variant, hisparse: bool, role: str | None = None,
+                         engine_id: str = "E") -> Any:
+    """P's (HiSparse off) or D's (HiSparse on) VllmConfig for the DSA-shaped stack.
+
+    D's connector is ``MultiConnector(KVHandoffConnector, HiSparseConnector)``.  Built
+    without HiSparse and switched on afterwards: ``VllmConfig.__post_init__`` refuses
+    HiSparse off CUDA (``config/vllm.py``: "HiSparse currently requires NVIDIA CUDA.").
+    """
+    from vllm.config import (
+        CacheConfig,
+        HiSparseConfig,
+        KVTransferConfig,
+        ParallelConfig,
+        VllmConfig,
+    )
+
+    model = _model_config()
+    model.hf_config.index_topk = INDEX_TOPK
+    cache = CacheConfig(block_size=DSA_BLOCK, enable_prefix_caching=v.prefix_caching,
+                        num_gpu_blocks_override=HS_NUM_BLOCKS if hisparse else NUM_BLOCKS)
+    cfg = VllmConfig(model_config=model, cache_config=cache,
+                     parallel_config=ParallelConfig(tensor_parallel_size=v.tp,
+                                                    distributed_executor_backend="mp"))
+    _set_mtp(cfg, v)
+    handoff = {"kv_connector": "KVHandoffConnector",
+               "kv_connector_module_path": "kvhandoff.adapters.vllm.connector"}
+    if hisparse:
+        cfg.attention_config.hisparse_config = HiSparseConfig()
+        cfg.kv_transfer_config = KVTransferConfig(
+            kv_connector="MultiConnector", kv_role=role or "kv_consumer", engine_id=engine_id,
+            kv_connector_extra_config={"connectors": [
+                {**handoff, "kv_role": role or "kv_consumer"},
+                {"kv_connector": "HiSparseConnector", "kv_role": role or "kv_consumer",
+                 "kv_connector_extra_config": {"host_pool_gib": HOST_POOL_GIB}}]})
+    elif role is not None:
+        cfg.kv_transfer_config = KVTransferConfig(kv_role=role, engine_id=engine_id, **handoff)
+    return cfg
+
+
+def plan_hisparse(v: Variant, hisparse: bool, role: str | None = None,
+                  engine_id: str = "E") -> tuple[Any, list[Any], Any]:
+    """``(vllm_config, per-rank KVCacheConfigs, scheduler KVCacheConfig)`` of the DSA-shaped
+    stack, HiSparse on (D) or off (P), through vLLM's engine-core path.  With HiSparse on
+    each rank's spec dict is completed by ``resolve_hisparse_specs``, as the GPU worker
+    does (``v1/worker/gpu/attn_utils.py``): it adds the resident / hot layers."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, get_kv_cache_configs
+    from vllm.v1.hisparse.binding import resolve_hisparse_specs
+
+    cfg = hisparse_vllm_config(v, hisparse, role, engine_id)
+    backend = _dsa_backends()
+    specs = dsa_specs(v)
+    owners = {name: backend[name.rsplit(".", 1)[1]] for name in specs}
+    layers = {name: SimpleNamespace(get_attn_backend=functools.partial(lambda b: b, b))
+              for name, b in owners.items()}
+    names = [layout.name for layout in get_supported_kv_cache_layouts(list(backend.values()))]
+    with _mla_model():
+        layout = resolve_kv_cache_layout(cfg, [names] * v.tp, list(specs.values()))
+    with _shared_pool_platform(hisparse and v.tp > 1):
+        if hisparse:
+            specs = resolve_hisparse_specs(cfg, specs, layers)
+        configs = get_kv_cache_configs(cfg, [dict(specs) for _ in range(v.tp)], [1 << 40] * v.tp)
+    for c in configs:
+        c.kv_cache_layout = layout.name
+    return cfg, configs, generate_scheduler_kv_cache_config(configs)

@@ -13,9 +13,22 @@ Each layer's spec maps to a `CacheKind` through one table, `SPEC_KINDS`
 ``UniformTypeKVCacheSpecs`` group is mapped layer by layer, and its layers
 must read alike (`core.groups.KIND_READS`).  What the connector cannot serve
 is refused here, at engine start-up, with `UnsupportedTopology` naming the
-group, the spec and the field: specs not in the table, host-resident
-groups and tensors, windows that retain extra tokens, Mamba prefill
-checkpoint slots.
+group, the spec and the field: specs not in the table, windows that retain
+extra tokens, Mamba prefill checkpoint slots, and host-resident groups and
+tensors unless the caller asks for host pools (``host_pools=True``; the
+connector does not: no data path lands bytes in a host pool yet).
+
+HiSparse (vLLM 0.32, D only): the source group (a DSA model's ``SPARSE``
+MLA layers) lives in a host pool of its own (``hisparse_host_num_blocks``
+blocks, layer-outermost), the indexer group on the device, block-outermost
+in rows shared with the resident / hot groups, which are not transfer
+groups.  The source group's regions are `Memory.HOST` with the host pool's
+block count; the indexer's are one per layer, ``stride`` the row (the row's
+other bytes belong to groups never read).  A P with HiSparse off plans the
+``SPARSE`` and ``INDEXER`` layers in one vLLM group (one block table); the
+layout describes them as two groups, as D's planner does (`_split`), both
+cut from that group's block list (`CacheLayout.select`), so the two plans
+pair group by group and region by region.
 
 Placements: layer-outermost tensors give each layer (or each layer slot
 shared by overlaid groups) a region of its own; block-outermost ones
@@ -28,6 +41,7 @@ and a group's block is its whole row.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +54,7 @@ from kvhandoff.core.groups import (
     CacheKind,
     CacheLayout,
     CacheRegion,
+    Memory,
     Reads,
     TensorPlacement,
     tensor_regions,
@@ -128,10 +143,64 @@ def _layer_specs(group: Any) -> list[tuple[str, Any]]:
     return [(layer, spec) for layer in group.layer_names]
 
 
-def _group_kind(index: int, group: Any) -> tuple[CacheKind, dict[str, Any]]:
-    """The group's kind and its compared fields, from every layer's spec."""
+def _role(spec: Any) -> str:
+    return getattr(getattr(spec, "cache_role", None), "value", "")
+
+
+_ROLES = ("sparse", "indexer")
+
+
+def _dsa_role(spec: Any) -> str:
+    """``sparse`` / ``indexer`` for a DSA model's MLA spec, '' otherwise."""
+    if type(spec).__name__ != "MLAAttentionSpec" or spec.tokens_per_state != 1:
+        return ""
+    return _role(spec) if _role(spec) in _ROLES else ""
+
+
+def _split(group: Any, tensor_of: dict[str, int]) -> list[tuple[list[str], str]]:
+    """``(layers, DSA role)`` of each group the layout makes of one vLLM group: one, or, for a DSA
+    model's group of ``SPARSE`` and ``INDEXER`` MLA layers (HiSparse off), the sparse
+    layers then the indexer's, as vLLM's HiSparse planner groups them
+    (``v1/hisparse/layout.py: _partition_hisparse_specs``).
+
+    The scheduler's config keeps one spec per group (the first layer's), so there the
+    roles are told apart by tensor: vLLM gives each distinct spec of a group its own
+    tensors, and the first layer's tensors hold its role's layers."""
+    specs = _layer_specs(group)
+    if isinstance(getattr(group.kv_cache_spec, "kv_cache_specs", None), dict):
+        roles = {layer: _dsa_role(s) for layer, s in specs}
+    else:
+        first = _dsa_role(group.kv_cache_spec)
+        other = _ROLES[1 - _ROLES.index(first)] if first else ""
+        home = tensor_of.get(group.layer_names[0]) if group.layer_names else None
+        roles = {layer: first if tensor_of.get(layer) == home else other for layer, _ in specs}
+    if set(roles.values()) != set(_ROLES):
+        return [(list(group.layer_names), "")]
+    return [([layer for layer, _ in specs if roles[layer] == role], role) for role in _ROLES]
+
+
+def _layer_page(spec: Any, tensor: Any, num_blocks: int) -> int:
+    """A layer's page: its spec's; in the scheduler's config (one spec per group) a
+    layer-outermost tensor's block stride where the group's spec does not fit it."""
+    page = spec.page_size_bytes
+    if tensor is None or page in (tensor.block_stride, tensor.layer_stride):
+        return page
+    if tensor.layer_stride >= num_blocks * tensor.block_stride:  # layer-outermost
+        return tensor.block_stride
+    return page
+
+
+def _group_kind(index: int, group: Any, layers: list[str] | None = None, role: str = ""
+                ) -> tuple[CacheKind, dict[str, Any]]:
+    """The group's kind and its compared fields, from every layer's spec (of ``layers``;
+    ``role``: the DSA role `_split` found for them, where the spec says another)."""
     kinds, fields = [], []
-    for layer, spec in _layer_specs(group):
+    specs = [(x, s) for x, s in _layer_specs(group) if layers is None or x in layers]
+    if not specs:  # no layers: vLLM's group spec decides (a HiSparse resident / hot group)
+        specs = [("no layers", group.kv_cache_spec)]
+    specs = [(x, dataclasses.replace(s, cache_role=type(s.cache_role)(role))
+              if role and _dsa_role(s) not in ("", role) else s) for x, s in specs]
+    for layer, spec in specs:
         kinds.append(spec_kind(f"KV cache group {index} ({layer})", spec))
         fields.append(spec)
     reads = {KIND_READS[k] for k in kinds}
@@ -174,32 +243,97 @@ def _speculative_tokens(kv_cache_config: Any, num_speculative_tokens: int | None
     return max(slots, default=0)
 
 
-def cache_layout(kv_cache_config: Any, num_speculative_tokens: int | None = None) -> CacheLayout:
+def _host_pool(kv_cache_config: Any, groups: list[tuple[int, Any]], host_pools: bool) -> int:
+    """The host pool's block count (0: none); refused unless ``host_pools``."""
+    host = [i for i, g in groups if getattr(g, "host_resident", False)]
+    tensors = [i for i, t in enumerate(kv_cache_config.kv_cache_tensors)
+               if getattr(t, "host_resident", False)]
+    if not host and not tensors:
+        return 0
+    if not host_pools:
+        where = (f"KV cache group {host[0]}: host_resident=True" if host
+                 else f"kv_cache_tensors[{tensors[0]}].host_resident=True")
+        raise UnsupportedTopology(f"{where} is not supported (HiSparse host pools: no data path "
+                                  "lands bytes in a host pool yet)")
+    num = getattr(kv_cache_config, "hisparse_host_num_blocks", None)
+    if len(host) != 1 or not num:
+        raise UnsupportedTopology(f"host-resident KV cache groups {host} with "
+                                  f"hisparse_host_num_blocks={num!r}: one host group and its "
+                                  "pool size are required")
+    return num
+
+
+def cache_layout(kv_cache_config: Any, num_speculative_tokens: int | None = None,
+                 host_pools: bool = False) -> CacheLayout:
     """The `CacheLayout` of an engine's ``KVCacheConfig`` (see the module docstring).
 
     ``num_speculative_tokens`` is the engine's (``vllm_config.num_speculative_tokens``),
     compared at the handshake; left out, it is read off the state specs' scratch slots.
+    ``host_pools`` maps a HiSparse host pool instead of refusing it.
     """
     groups = transfer_groups(kv_cache_config)
     if not groups:
         raise UnsupportedTopology("the engine has no transferable KV cache groups")
     num_blocks = kv_cache_config.num_blocks
+    host_blocks = _host_pool(kv_cache_config, groups, host_pools)
+    tensors = kv_cache_config.kv_cache_tensors
+    tensor_of = {layer: i for i, t in enumerate(tensors) for layer in t.layers}
     pages: dict[str, int] = {}
-    for i, g in groups:
-        if getattr(g, "host_resident", False):
-            raise UnsupportedTopology(f"KV cache group {i}: host_resident=True is not supported "
-                                      "(HiSparse host pools)")
+    for _, g in groups:
+        collapsed = not isinstance(getattr(g.kv_cache_spec, "kv_cache_specs", None), dict)
+        pool = host_blocks if getattr(g, "host_resident", False) else num_blocks
         for layer, spec in _layer_specs(g):
-            pages[layer] = spec.page_size_bytes
+            t = tensors[tensor_of[layer]] if collapsed and layer in tensor_of else None
+            pages[layer] = _layer_page(spec, t, pool)
     wanted = set(pages)
-    placements = []
-    for i, t in enumerate(kv_cache_config.kv_cache_tensors):
-        if getattr(t, "host_resident", False):
-            raise UnsupportedTopology(f"kv_cache_tensors[{i}].host_resident=True is not supported")
+    placements, host = [], []
+    for t in tensors:
         if not set(t.layers) & wanted:
             continue  # a non-transfer group's tensor
-        placements.append(TensorPlacement(t.size, tuple(t.layers), t.layer_stride,
-                                          t.block_stride, t.offset))
+        (host if getattr(t, "host_resident", False) else placements).append(TensorPlacement(
+            t.size, tuple(t.layers), t.layer_stride, t.block_stride, t.offset))
+    regions = _device_regions(placements, pages, num_blocks, shared_rows=bool(host_blocks))
+    if host:
+        try:
+            host_regions = tensor_regions(host, pages, host_blocks)
+        except GeometryMismatch as exc:
+            raise UnsupportedTopology(f"KV cache placement (host pool): {exc}") from None
+        regions.update({layer: dataclasses.replace(r, memory=Memory.HOST)
+                        for layer, r in host_regions.items()})
+    out, sources = [], []
+    for i, g in groups:
+        for part, role in _split(g, tensor_of):
+            n = len(out)
+            kind, fields = _group_kind(i, g, part, role)
+            missing = [layer for layer in part if layer not in regions]
+            if missing:
+                raise UnsupportedTopology(f"KV cache group {i}: layers {missing} have no tensor")
+            mine = [regions[layer] for layer in part]
+            if len({r.name for r in mine}) == 1 and len(mine) > 1:
+                mine = mine[:1]  # packed blocks: one region holds every layer's page
+            pool = host_blocks if getattr(g, "host_resident", False) else num_blocks
+            out.append(CacheGroup(n, kind, g.kv_cache_spec.block_size, pool, tuple(mine),
+                                  tuple(part), fields["window"], fields["spec_slots"],
+                                  fields["owner"], fields["tokens_per_state"],
+                                  fields["tp_replicated"],
+                                  bool(getattr(g, "is_eagle_group", False))))
+            sources.append(i)
+    return CacheLayout(tuple(out),
+                       speculative_tokens=_speculative_tokens(kv_cache_config, num_speculative_tokens),
+                       source_groups=tuple(sources),
+                       num_source_groups=len(kv_cache_config.kv_cache_groups),
+                       host_block_stride=(getattr(kv_cache_config, "hisparse_host_block_stride",
+                                                  None) or 0) if host_blocks else 0,
+                       shared_host_pool=bool(host_blocks and getattr(
+                           kv_cache_config, "hisparse_shared_host_pool", False)))
+
+
+def _device_regions(placements: list[TensorPlacement], pages: dict[str, int], num_blocks: int,
+                    shared_rows: bool) -> dict[str, CacheRegion]:
+    """Each device layer's region (see the module docstring: rows, and a HiSparse D's rows
+    shared with groups that are not transferred: one region per layer, ``stride`` the row)."""
+    if not placements:
+        return {}
     rows = {p.block_stride for p in placements}
     # Block-outermost: one row stride for every tensor, layers side by side inside it.  (The
     # scheduler's config keeps one spec per group, so the tensors' strides are what count.)
@@ -213,27 +347,13 @@ def cache_layout(kv_cache_config: Any, num_speculative_tokens: int | None = None
             if p.offset + len(p.layers) * page > row or p.size < num_blocks * row:
                 raise UnsupportedTopology(f"KV cache placement: kv_cache_tensors[{i}] does not "
                                           f"fit a {row}-byte row of {num_blocks} blocks")
+        if shared_rows:
+            return {layer: CacheRegion(layer, pages[layer], offset=p.offset + k * p.layer_stride,
+                                       stride=row)
+                    for p in placements for k, layer in enumerate(p.layers)}
         region = CacheRegion(sorted(pages)[0] + "@row", row, offset=0)
-        regions = dict.fromkeys(pages, region)
-    else:
-        try:
-            regions = tensor_regions(placements, pages, num_blocks)
-        except GeometryMismatch as exc:
-            raise UnsupportedTopology(f"KV cache placement: {exc}") from None
-    out = []
-    for n, (i, g) in enumerate(groups):
-        kind, fields = _group_kind(i, g)
-        missing = [layer for layer in g.layer_names if layer not in regions]
-        if missing:
-            raise UnsupportedTopology(f"KV cache group {i}: layers {missing} have no tensor")
-        mine = [regions[layer] for layer in g.layer_names]
-        if len({r.name for r in mine}) == 1 and len(mine) > 1:
-            mine = mine[:1]  # packed blocks: one region holds every layer's page
-        out.append(CacheGroup(n, kind, g.kv_cache_spec.block_size, num_blocks, tuple(mine),
-                              tuple(g.layer_names), fields["window"], fields["spec_slots"],
-                              fields["owner"], fields["tokens_per_state"],
-                              fields["tp_replicated"], bool(getattr(g, "is_eagle_group", False))))
-    return CacheLayout(tuple(out),
-                       speculative_tokens=_speculative_tokens(kv_cache_config, num_speculative_tokens),
-                       source_groups=tuple(i for i, _ in groups),
-                       num_source_groups=len(kv_cache_config.kv_cache_groups))
+        return {layer: region for p in placements for layer in p.layers}
+    try:
+        return tensor_regions(placements, pages, num_blocks)
+    except GeometryMismatch as exc:
+        raise UnsupportedTopology(f"KV cache placement: {exc}") from None
