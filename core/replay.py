@@ -46,6 +46,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
+from operator import attrgetter
 
 from kvhandoff.core.errors import InvalidTransition, LifecycleError
 from kvhandoff.core.events import (
@@ -56,6 +57,7 @@ from kvhandoff.core.events import (
     Freed,
     LeaseAcknowledged,
     Side,
+    Stream,
 )
 from kvhandoff.core.lifecycle import (
     HEARTBEAT_STATES,
@@ -65,7 +67,10 @@ from kvhandoff.core.lifecycle import (
     ProducerRecord,
     PState,
     apply,
+    gc_paused,
 )
+
+_TIME = attrgetter("t")
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,10 +216,19 @@ def state_hash(state: LifecycleState) -> str:
 
 def merge_by_time(events: Sequence[Event]) -> list[Event]:
     """All events in time order; each stream's events stay in sequence order."""
+    return _merge(_per_stream(events))
+
+
+def _per_stream(events: Sequence[Event]) -> dict[Stream, list[Event]]:
+    """Each stream's events in their order, streams in order of first appearance."""
     per_stream: dict = {}
     for e in events:
         per_stream.setdefault(e.stream, []).append(e)
-    return list(heapq.merge(*per_stream.values(), key=lambda e: e.t))
+    return per_stream
+
+
+def _merge(per_stream: dict[Stream, list[Event]]) -> list[Event]:
+    return list(heapq.merge(*per_stream.values(), key=_TIME))
 
 
 def replay(events: Sequence[Event], *, request: str | None = None, until: int | None = None,
@@ -222,42 +236,55 @@ def replay(events: Sequence[Event], *, request: str | None = None, until: int | 
     """Fold ``events`` (from one or several logs) and check the invariants."""
     if until is not None:
         events = [e for e in events if e.seq <= until]
-    ordered = merge_by_time(events)
+    per_stream = _per_stream(events)
+    ordered = _merge(per_stream)
     result = Replay(LifecycleState())
+    timeline = result.timeline if keep_timeline else None
+    with gc_paused():  # records and checks are acyclic: no cyclic GC rescans while they grow
+        folded = _fold_and_check(result, ordered, request, timeline)
+    result.events = folded
+    # Each stream's last event in time order is its last one (the merge keeps stream order).
+    _check_leaks(result, {stream: run[-1].t for stream, run in per_stream.items()})
+    return result
+
+
+def _fold_and_check(result: Replay, ordered: list[Event], request: str | None,
+                    timeline: list | None) -> int:
+    """The fold of ``ordered`` into ``result`` with the cross checks; the events folded."""
     state = result.state
+    streams, violations = state.streams, result.violations
     # P's free time per (P engine, P rank, request) and D's in-flight splits, for cross checks.
     freed_at: dict[tuple[str, int, str], float] = {}
-    last_t: dict = {}
+    folded = 0
     for event in ordered:
-        last_t[event.stream] = event.t
         try:
             apply(state, event)
         except InvalidTransition as e:
             name = "double_free" if isinstance(event, Freed) and e.state == PState.FREED else "transition"
-            result.violations.append(Violation(name, describe(event), str(e)))
+            violations.append(Violation(name, describe(event), str(e)))
             _skip(state, event)
             continue
         except LifecycleError as e:
-            result.violations.append(Violation("transition", describe(event), str(e)))
+            violations.append(Violation("transition", describe(event), str(e)))
             _skip(state, event)
             continue
-        result.events += 1
-        rec = state.record(event.stream, event.request_id)
-        if keep_timeline and (request is None or event.request_id == request):
-            result.timeline.append((event, rec.state.value if rec is not None else "-"))
+        folded += 1
+        stream = event.stream
+        rec = streams[stream].requests.get(event.request_id)
+        if timeline is not None and (request is None or event.request_id == request):
+            timeline.append((event, rec.state.value if rec is not None else "-"))
         if isinstance(event, Forgotten):  # the id is unknown again: so are its cross checks
             _forget(result, freed_at, event)
-        elif event.stream.side is Side.P:
+        elif stream.side is Side.P:
             if isinstance(event, Freed):
-                key = (event.stream.engine, event.stream.rank, event.request_id)
+                key = (stream.engine, stream.rank, event.request_id)
                 freed_at[key] = event.t
                 result.freed_under_read += _reads_in_flight(state, event)
         elif isinstance(rec, ConsumerRecord):
             if isinstance(event, Admitted):
                 result.named_producers.add(rec.remote_engine)
             _check_consumer(result, freed_at, event, rec)
-    _check_leaks(result, last_t)
-    return result
+    return folded
 
 
 def _forget(result: Replay, freed_at: dict, event: Event) -> None:
@@ -296,7 +323,10 @@ def _check_consumer(result: Replay, freed_at: dict, event: Event, rec: ConsumerR
         key = (event.stream, event.request_id, event.p_rank)
         result.proofs.note(key, event.sent_at, event.time_left, rec.lease_s, rec.margin)
         result.proof_keys.setdefault((event.stream, event.request_id), set()).add(key)
-    if rec.state in HEARTBEAT_STATES or event.kind == "finished_recving":
+    # A gap counts from the later of the last heartbeat and the last report, so
+    # none is reported unless the one from the last heartbeat alone is too long.
+    if event.t - rec.last_heartbeat > rec.lease_s and (
+            rec.state in HEARTBEAT_STATES or event.kind == "finished_recving"):
         key = (event.stream, event.request_id)
         gap = event.t - max(rec.last_heartbeat, result.gap_reported_at.get(key, -math.inf))
         if gap > rec.lease_s:
