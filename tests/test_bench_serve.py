@@ -1,0 +1,97 @@
+"""``kvhandoff bench serve`` in short: both connectors, one concurrency, a few requests.
+
+The command as users run it (``--json``, its own process): ``vllm serve`` P and
+D with KVHandoffConnector, then with NixlConnector, each behind the example
+router, ``vllm bench serve`` at one concurrency and the cancelling client.
+Checked on the JSON object, i.e. on what the servers, vLLM's benchmark client
+and the event logs said: no failed request for kvhandoff, P exported exactly
+one hand-off per request the route carried and freed each once, ``kvhandoff
+replay --check`` clean, the cancelled streams closed before their end with D
+generating fewer tokens than it would have, and every reported number
+present and positive.  About five minutes on 2 cores (four engine starts).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("nixl")
+pytest.importorskip("httpx")
+
+pytestmark = pytest.mark.timeout(900)
+
+PROMPTS, WARMUPS, CANCEL, CANCEL_OUT = 8, 1, 8, 32
+ARGS = ["--concurrency", "4", "--num-prompts", str(PROMPTS), "--warmups", str(WARMUPS),
+        "--input-len", "128", "--output-len", "8", "--cancel-requests", str(CANCEL),
+        "--cancel-output-len", str(CANCEL_OUT), "--cancel-share", "0.5"]
+KVH, NIXL = "KVHandoffConnector", "NixlConnector (vLLM 0.32)"
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("bench-serve")
+    r = subprocess.run([sys.executable, "-m", "kvhandoff.adapters.cli", "bench", "serve",
+                        "--json", *ARGS, "--workdir", str(workdir)],
+                       capture_output=True, text=True, timeout=840, check=False)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout)
+
+
+def by_connector(rows: list[dict]) -> dict[str, dict]:
+    return {row["connector"]: row for row in rows}
+
+
+def test_vllm_bench_serve_runs_both_connectors(result):
+    rows = by_connector(result["rows"])
+    assert set(rows) == {KVH, NIXL}
+    for row in rows.values():
+        assert row["concurrency"] == 4 and row["requests"] == PROMPTS
+        for key in ("request_throughput", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
+                    "itl_p99_ms", "duration_s"):
+            assert row[key] > 0, (row["connector"], key, row[key])
+        assert row["ttft_p99_ms"] >= row["ttft_p50_ms"] and row["itl_p99_ms"] >= row["itl_p50_ms"]
+        assert row["completed"] > 0
+    assert rows[KVH]["failed"] == 0 and rows[KVH]["completed"] == PROMPTS
+    [ratio] = result["ratios"]
+    assert ratio["concurrency"] == 4
+    assert all(ratio[k] > 0 for k in ("request_throughput", "ttft_p50_ms", "ttft_p99_ms",
+                                      "itl_p50_ms", "itl_p99_ms"))
+    assert result["engine_start_s"]["kvhandoff"] > 0 and result["engine_start_s"]["nixl"] > 0
+    assert result["commit"] and result["date"] and "cores" in result["machine"]
+
+
+def test_cancelled_streams_closed_mid_stream(result):
+    cancel = by_connector(result["cancel"])
+    assert set(cancel) == {KVH, NIXL}
+    for c in cancel.values():
+        assert c["requests"] == CANCEL and c["output_len"] == CANCEL_OUT
+        assert c["cancel_planned"] > 0
+        # every planned cancel hung up before the stream's finishing chunk ...
+        assert c["closed_before_finish"] == c["cancel_planned"], c
+        assert c["tokens_received"] < CANCEL * CANCEL_OUT, c
+        # ... and D stopped generating for them: fewer tokens than with no cancel
+        assert 0 < c["d_tokens_generated"] < c["d_tokens_if_none_cancelled"], c
+    kvh = cancel[KVH]
+    assert kvh["failed"] == 0 and kvh["completed"] == CANCEL - kvh["cancel_planned"], kvh
+
+
+def test_p_frees_every_export_once_and_replay_is_clean(result):
+    handoff = by_connector(result["handoff"])
+    kvh = handoff[KVH]
+    carried = PROMPTS + WARMUPS + CANCEL  # every request through the router hands off once
+    assert kvh["p_exports"] == kvh["p_frees"] == carried, kvh
+    assert kvh["double_frees"] == 0 and kvh["lease_expiries"] == 0, kvh
+    assert kvh["all_freed_after_s"] is not None and kvh["p_kv_cache_usage_after"] == 0, kvh
+    check = kvh["replay_check"]
+    assert check["exit_code"] == 0 and check["violations"] == 0, check
+    assert check["requests"] >= carried and check["command"].startswith(
+        "kvhandoff replay --check --json ")
+    nixl = handoff[NIXL]  # no event log: P's own metrics only
+    assert nixl["p_exports"] is None and nixl["replay_check"] is None
+    assert nixl["p_nixl_expired_reqs"] is not None and nixl["p_kv_cache_usage_after"] is not None
+    assert all(code == 0 for h in handoff.values() for code in h["exit_codes"].values()), handoff
