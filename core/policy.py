@@ -8,7 +8,8 @@ implies.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass
 
 from kvhandoff.core.events import Stream
 from kvhandoff.core.lifecycle import (
@@ -24,7 +25,8 @@ from kvhandoff.core.lifecycle import (
 )
 
 __all__ = [
-    "Verdict", "heartbeat_due", "heartbeat_period", "read_deadline", "expired_leases", "to_free",
+    "TimingConfig", "Verdict", "heartbeat_due", "heartbeat_plan", "next_heartbeat", "report_due",
+    "heartbeat_period", "read_deadline", "expired_leases", "to_free",
     "to_forget", "lease_time_left", "read_verdict", "reads_to_report", "awaiting_proof",
 ]
 
@@ -35,6 +37,34 @@ HEARTBEATS_PER_LEASE = 6
 REMEMBER_LEASES = 2
 
 _TO_FREE = frozenset({PState.RELEASED, PState.EXPIRED, PState.ABORTED})
+_READING = frozenset({DState.READING, DState.CANCELLED_READING})
+
+
+@dataclass(frozen=True, slots=True)
+class TimingConfig:
+    """Every lifecycle timing setting, one name each, for every caller.
+
+    The connector builds it from its extra config (`HandoffConfig.timing`),
+    the simulator from a run's config (`RunConfig.timing`); the engines read
+    nothing else.  Seconds on the engine's own clock.
+    """
+
+    lease_s: float = 30.0  # P: how long exported blocks stay pinned without a heartbeat
+    heartbeat_interval_s: float = 5.0  # D: heartbeat each P rank at most this far apart
+    lease_margin_s: float = 1.0  # D: safety margin on the time left P reports
+    read_timeout_s: float = 30.0  # D: give up on READs (or on P's proof) after this
+
+    def __post_init__(self) -> None:
+        if not self.lease_s > 0:
+            raise ValueError(f"lease_s: expected > 0, found {self.lease_s!r}")
+        if not 0 < self.heartbeat_interval_s:
+            raise ValueError(f"heartbeat_interval_s: expected > 0, found "
+                             f"{self.heartbeat_interval_s!r}")
+        if not 0 <= self.lease_margin_s < self.lease_s:
+            raise ValueError(f"lease_margin_s: expected >= 0 and < lease_s, found "
+                             f"{self.lease_margin_s!r}")
+        if not self.read_timeout_s > 0:
+            raise ValueError(f"read_timeout_s: expected > 0, found {self.read_timeout_s!r}")
 
 
 def _records(state: LifecycleState, stream: Stream):
@@ -67,6 +97,60 @@ def heartbeat_period(interval_s: float, leases: Iterable[float]) -> float:
     return min((interval_s, *(lease / HEARTBEATS_PER_LEASE for lease in leases)))
 
 
+def heartbeat_plan(due: Mapping[Hashable, list[str]], now: float, timing: TimingConfig,
+                   last_sent: Mapping[Hashable, float], lease_of: Callable[[str], float],
+                   fresh: set[str], awaiting: set[Hashable],
+                   reasked: set[Hashable]) -> list[tuple[Hashable, list[str], bool]]:
+    """D: which P ranks (``peer``) to heartbeat now, with every request due there.
+
+    ``due``: the requests to keep alive per peer (`heartbeat_due`, the peer
+    being the P rank a request reads).  A peer is heartbeated when its period
+    (`heartbeat_period`) has run since ``last_sent``, at once when a request
+    there was just admitted (``fresh``: P's answer is what proves the source
+    alive when the READ completes), and at once when a request there drained
+    its reads and waits only for P's word (``awaiting``), then every quarter
+    period while it still waits (``reasked``: an acknowledgement can be lost
+    like any notification).  Each heartbeat names every request due at that
+    peer, so a request never depends on periodic messages alone when those
+    are the ones being lost.  Returns (peer, request ids, urgent).
+    """
+    plan = []
+    for peer, rids in due.items():
+        since = now - last_sent.get(peer, -math.inf)
+        period = heartbeat_period(timing.heartbeat_interval_s, map(lease_of, rids))
+        urgent = peer in awaiting and (since >= period / 4 if peer in reasked else since > 0)
+        if since >= period or urgent or not fresh.isdisjoint(rids):
+            plan.append((peer, rids, urgent))
+    return plan
+
+
+def next_heartbeat(due: Mapping[Hashable, list[str]], timing: TimingConfig,
+                   last_sent: Mapping[Hashable, float], lease_of: Callable[[str], float],
+                   awaiting: set[Hashable], reasked: set[Hashable]) -> float:
+    """D: the earliest time `heartbeat_plan` names a peer, with nothing new happening."""
+    at = math.inf
+    for peer, rids in due.items():
+        last = last_sent.get(peer, -math.inf)
+        period = heartbeat_period(timing.heartbeat_interval_s, map(lease_of, rids))
+        at = min(at, last + (period / 4 if peer in awaiting and peer in reasked else period))
+    return at
+
+
+def report_due(rec: ConsumerRecord, now: float, timing: TimingConfig) -> bool:
+    """D: whether a request whose READs all drained is reported (``finished_recving``) now.
+
+    When its verdict is known (CONFIRMED, UNSAFE or FAILED); when the client
+    cancelled it (its bytes go nowhere, no proof is needed); or past
+    `read_deadline` with P's proof still missing (the verdict stays unproven
+    and the request fails instead of waiting).  The caller also waits for a
+    READ already failed by the deadline but still moving bytes into D's pages.
+    """
+    if rec.state not in _READING or not rec.drained:
+        return False
+    return (rec.cancelled or read_verdict_of(rec) is not Verdict.PENDING
+            or now > read_deadline(rec, timing.read_timeout_s))
+
+
 def read_deadline(rec: ConsumerRecord, timeout_s: float) -> float:
     """D: when a request's READs are given up (failed) if they have not drained, or drained
     with no proof, on D's clock.
@@ -82,6 +166,8 @@ def read_deadline(rec: ConsumerRecord, timeout_s: float) -> float:
     """
     owing = [r for r, done in zip(rec.split_ranks, rec.split_done, strict=True)
              if done is None or (done != "" and done > rec.safe_until.get(r, -math.inf))]
+    if timeout_s == math.inf:  # no timeout (vLLM 0.32's D): READs run until the fabric ends them
+        return math.inf
     ranks = owing or rec.split_ranks
     last_proof = min((rec.held_at.get(r, -math.inf) for r in ranks), default=-math.inf)
     return min(rec.posted_at + timeout_s, max(rec.posted_at, last_proof) + rec.lease_s)

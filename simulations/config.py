@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvhandoff.core.groups import CacheKind
+from kvhandoff.core.policy import TimingConfig
 from kvhandoff.transports.sim import LinkModel, NotifFaults, ReadFaults
 
 POLICIES = ("kvhandoff", "vllm-0.32")
@@ -80,10 +81,13 @@ class RunConfig:
     tokens_per_request: tuple[int, int] = (1, 128)
 
     # lifecycle timing
+    # (`core.policy.TimingConfig`, by the same names: see ``timing``)
     lease_s: float = 30.0
-    heartbeat_s: float = 5.0  # lease / 6, as vLLM
-    margin_s: float = 0.5  # D's safety margin on P's reported time left
-    confirm_timeout_s: float = 15.0  # drained reads with no proof of safety: give up (fail)
+    heartbeat_interval_s: float = 5.0  # lease / 6, as vLLM
+    lease_margin_s: float = 0.5  # D's safety margin on P's reported time left
+    # READs, or P's proof of them, still missing this long after posting: give up (fail).
+    # Three leases: the slow-fabric scenarios read for up to 2.5 leases while P answers.
+    read_timeout_s: float = 90.0
 
     # engine loops
     p_step_s: float = 0.004
@@ -114,6 +118,11 @@ class RunConfig:
 
     # what the scenario is allowed to show under policy kvhandoff
     exceeds_lease: bool = False  # faults longer than the lease: freed_under_read may be > 0
+
+    @property
+    def timing(self) -> TimingConfig:
+        return TimingConfig(self.lease_s, self.heartbeat_interval_s, self.lease_margin_s,
+                            self.read_timeout_s)
 
     @property
     def hybrid(self) -> bool:

@@ -1,60 +1,43 @@
-"""The decode engine (D) model: admit, validate, read, heartbeat, verify, release.
+"""The simulated decode engine (D): a driver of one `ConsumerEngine` per rank.
 
-D has ``tp`` worker ranks; rank r READs rank r of P (rank-local reads), so a
-request is ``tp`` READ splits.  A hybrid model's request (``RunConfig.groups``)
-is one split per (rank, cache group) that needs a read: `plan_group_reads`
-decides which groups read what (every block of full attention, the window's
-blocks of a sliding window, the state slot), and a request where no group
-needs a read is a notify-only release.  The scheduler keeps one `Ledger` stream for
-the whole request; the workers post the READs and poll their completions.
-Every decision comes from the core: what to heartbeat (`heartbeat_due`),
-whether drained reads may be passed on (`read_verdict_of`), what the
-lifecycle allows next (the fold refuses anything else).
+D has ``tp`` worker ranks; rank d READs P rank d // k (rank-local reads, k
+D ranks per P rank), and each rank is one `core.consumer.ConsumerEngine`,
+the very object the vLLM connector's D worker drives: every lifecycle
+decision (single-use parameters, what to heartbeat and when, when to give up
+on a READ or on P's word, when to report, what to release) is that engine's.
+This module is I/O: it hands the engines what happened on the simulated
+fabric and carries out what they return, and it models what vLLM's
+scheduler does around them (D's pages, one outcome per request once every
+rank reported, as vLLM's output aggregator does).
 
-D heartbeats a request as soon as it is admitted, not only every
-``heartbeat_s``: P's answer is what proves the source alive when the reads
-complete, and a request that waits a whole heartbeat period for it is slow.
-When reads drain with the verdict still PENDING, D asks again at once.
+A hybrid model's request (``RunConfig.groups``) is one split per (rank,
+cache group) that needs a read: `plan_group_reads` decides which groups read
+what (every block of full attention, the window's blocks of a sliding
+window, the state slot), and a request where no group needs a read is a
+notify-only release.
 
-D releases a request only after ``finished_recving`` (every split drained),
-to every P rank at once; only the vLLM 0.32 model lets each READ carry its
-rank's release (``DecodePolicy.release_with_reads``).  Every answer P gives
-is also noted in a `ProofLedger` apart from the fold, so what D serves is
-checked against P's answers rather than against the core's own verdict.
+The model of vLLM 0.32 (``DecodePolicy``) is driver choices on top of the
+same engines: it drops cancelled requests from the heartbeats it sends
+(``stop_heartbeat_on_cancel``), reports READs as soon as they drained
+without P's word (``acknowledges`` off, ``serve_unconfirmed``), and lets
+each READ carry its rank's release (``release_with_reads``).  Every answer P
+gives is also noted in a `ProofLedger` apart from the fold, so what D serves
+is checked against P's answers rather than against the core's own verdict.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from kvhandoff.core.consumer import ConsumerEngine, ConsumerStep, Finished
 from kvhandoff.core.errors import GeometryMismatch, MalformedMessage
-from kvhandoff.core.events import (
-    Admitted,
-    ClientCancelled,
-    FinishedRecving,
-    HeartbeatSent,
-    LeaseAcknowledged,
-    ReadsPosted,
-    Rejected,
-    ReleaseSent,
-    Side,
-    SplitCompleted,
-    SplitFailed,
-    Stream,
-    Validated,
-)
-from kvhandoff.core.ledger import Ledger
-from kvhandoff.core.lifecycle import (
-    ConsumerRecord,
-    DState,
-    LifecycleState,
-    Verdict,
-    read_verdict_of,
-)
+from kvhandoff.core.events import Side, Stream
+from kvhandoff.core.lifecycle import DState, LifecycleState
 from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Release, decode, encode
 from kvhandoff.core.planning import (
     GroupRead,
@@ -63,7 +46,6 @@ from kvhandoff.core.planning import (
     plan_group_reads,
     validate_block_ids,
 )
-from kvhandoff.core.policy import heartbeat_due, heartbeat_period
 from kvhandoff.core.replay import ProofLedger
 from kvhandoff.simulations import kv
 from kvhandoff.simulations.config import RunConfig
@@ -76,27 +58,20 @@ from kvhandoff.transports.sim import SimBlockPool, SimNetwork
 
 @dataclass(slots=True)
 class Import:
-    """D's working data for one request (the lifecycle itself lives in the fold)."""
+    """D's working data for one request (the lifecycle lives in the ranks' folds)."""
 
     req: SimRequest
     params: TransferParams
     remote_ids: tuple[int, ...] = ()
     local_ids: list[int] | None = None
-    drained_at: float | None = None
-    asked_at: float = -1.0
-    splits_failed: list[int] = field(default_factory=list)
-    split_dranks: list[int] = field(default_factory=list)  # per split: the D rank posting it
+    failed_ranks: set[int] = field(default_factory=set)  # D ranks with a failed split
     # Hybrid runs: P's ids per group, D's pages per group, and each split's planned read.
     remote_lists: list[list[int]] = field(default_factory=list)
     group_pages: list[int] = field(default_factory=list)
     reads: list[tuple[int, GroupRead]] = field(default_factory=list)  # (D rank, read)
     rank_open: dict[int, int] = field(default_factory=dict)  # D rank -> READs in flight
-
-
-def _stale(rec: ConsumerRecord, before: float) -> bool:
-    """Whether some P rank's last proof of the lease runs out before ``before``."""
-    proofs = rec.safe_until
-    return len(proofs) < len(rec.remote_ranks) or min(proofs.values()) < before
+    finished: dict[int, Finished] = field(default_factory=dict)  # D rank -> its report
+    unproven: bool = False  # a rank reported ok what P's answers by then did not prove
 
 
 class DecodeEngine:
@@ -130,18 +105,20 @@ class DecodeEngine:
                                                     cfg.block_bytes))
                 self.remote_layouts.append(kv.cache_layout(cfg.groups, names, p_num_blocks,
                                                            cfg.block_bytes))
-        self.state = LifecycleState()  # keeps FREED / DONE records: runs are short
-        self.stream = Stream(name, Side.D, 0)
-        self.ledger = Ledger(self.stream, self.state, sink)
+        self.state = LifecycleState()  # keeps DONE records: runs are short
+        self.streams = [Stream(name, Side.D, d) for d in range(cfg.decode_tp)]
+        # vLLM 0.32's D never gives up on a READ, nor waits for P's word (`report_now`).
+        timing = cfg.timing if policy.acknowledges else replace(cfg.timing,
+                                                                read_timeout_s=math.inf)
+        self.engines = [ConsumerEngine(stream, timing, self.state, sink)
+                        for stream in self.streams]
         self.pool = SimBlockPool(self.agents, cfg.d_blocks, source=False)
         self.inbox: list[tuple[SimRequest, TransferParams]] = []
         self.cancels: list[SimRequest] = []
         self.waiting: dict[str, Import] = {}  # validated, waiting for pages
-        self.reading: dict[str, Import] = {}
-        self.handles: dict[tuple[int, int], tuple[str, int]] = {}
-        self.urgent: dict[str, None] = {}  # heartbeat at the end of this step
+        self.reading: dict[str, Import] = {}  # READs posted, not every rank reported
+        self.handles: dict[tuple[int, int], tuple[str, int]] = {}  # (rank, handle) -> split
         self.tokens: dict[str, str] = {}  # each request's release token, from its params
-        self.next_heartbeat = 0.0
         # When a heartbeat naming each (request, P rank) last left, whatever became
         # of it: what the measured heartbeat check (World.check_heartbeats) reads.
         self.last_beat: dict[tuple[str, int], float] = {}
@@ -166,22 +143,17 @@ class DecodeEngine:
 
     def _step(self) -> bool:
         now = self.clock.now
-        record = self.ledger.record
-        for agent in self.agents:
+        for d, agent in enumerate(self.agents):
             for n in agent.recv_notifs():
-                self._on_notification(n.message, now)
-        for rank, agent in enumerate(self.agents):
+                self._on_notification(d, n.peer, n.message, now)
+        for d, agent in enumerate(self.agents):
             for c in agent.poll():
-                rid, split = self.handles.pop((rank, c.handle))
-                if c.ok:
-                    record(SplitCompleted, rid, now, split=split)
-                else:
-                    record(SplitFailed, rid, now, split=split, reason=c.reason)
-                    self.reading[rid].splits_failed.append(split)
+                rid, split = self.handles.pop((d, c.handle))
+                self.engines[d].split_done(rid, split, now, c.ok, c.reason)
+                if not c.ok:
+                    self.reading[rid].failed_ranks.add(d)
                 if self.layouts is not None:
-                    self._group_read_landed(rid, rank)
-        lost = ({p for agent in self.agents for p in agent.lost_peers()}
-                if self.net.has_dead else ())
+                    self._group_read_landed(rid, d)
         for req in self.cancels:
             self._cancel(req, now)
         self.cancels.clear()
@@ -190,12 +162,18 @@ class DecodeEngine:
         self.inbox.clear()
         self._post_reads(now)
         free_before = self.pool.free_blocks
-        self._report(now, lost)
-        self._heartbeat(now)
+        for d, engine in enumerate(self.engines):
+            self._carry_out(d, engine.poll(now), now)
+            if not self.policy.acknowledges:  # vLLM 0.32 serves what drained, unproven
+                for rid in list(self.reading):
+                    self._carry_out(d, engine.report_now(rid, now), now)
+        due = min(engine.due_at for engine in self.engines)
+        if due < math.inf:
+            self.loop.wake_at(max(due, now + self.cfg.d_step_s))
         # Pages freed by drained imports may let waiting ones post: step again.
         return bool(self.waiting) and self.pool.free_blocks > free_before
 
-    def _on_notification(self, message: bytes, now: float) -> None:
+    def _on_notification(self, d: int, peer: str, message: bytes, now: float) -> None:
         try:
             msg = decode(message)
         except MalformedMessage:
@@ -204,53 +182,87 @@ class DecodeEngine:
         if not isinstance(msg, HeartbeatAck):
             self.malformed += 1  # D expects nothing else from P
             return
+        self.engines[d].on_notification(peer, msg, now)
+        if peer != self.peers[d]:
+            return  # proves nothing: only the P rank a request reads may vouch for it
         for rid, left in msg.time_left.items():
-            self.ledger.record(LeaseAcknowledged, rid, now, p_rank=msg.rank,
-                               sent_at=msg.sent_at, time_left=left)
-            rec = self.state.record(self.stream, rid)
+            rec = self.state.record(self.streams[d], rid)
             if rec is not None and msg.sent_at <= rec.last_heartbeat:
-                self.proofs.note((rid, msg.rank), msg.sent_at, left, rec.lease_s, rec.margin)
+                self.proofs.note((d, rid, msg.rank), msg.sent_at, left, rec.lease_s, rec.margin)
 
-    def _release(self, rid: str, ranks) -> None:
-        token = self.tokens.get(rid, "")
-        for rank in ranks:
-            self.agents[rank].send_notif(self.peers[rank],
-                                         encode(Release(rid, self.name, rank, token)))
+    def _carry_out(self, d: int, step: ConsumerStep, now: float) -> None:
+        """Send what rank ``d``'s engine decided; conclude requests every rank reported."""
+        agent = self.agents[d]
+        for peer, hb, urgent in step.heartbeats:
+            if self.policy.stop_heartbeat_on_cancel:  # vLLM: a cancel ends the heartbeat
+                requests = self.state.stream(self.streams[d]).requests
+                ids = tuple(rid for rid in hb.request_ids if not requests[rid].cancelled)
+                hb = Heartbeat(hb.engine, hb.rank, hb.sent_at, ids,
+                               tuple(self.tokens.get(rid, "") for rid in ids) if hb.tokens else ())
+            if hb.request_ids:
+                agent.send_notif(peer, encode(hb))
+                for rid in hb.request_ids:
+                    self.last_beat[(rid, d // self.k)] = now
+            self.engines[d].heartbeat_sent(peer, hb, now, urgent)
+        reported = {f.request_id for f in step.finished}
+        for peer, release in step.releases:
+            imp = self.reading.get(release.request_id)
+            if (self.policy.release_with_reads and release.request_id in reported
+                    and imp is not None and d not in imp.failed_ranks):
+                continue  # vLLM: the rank's READs carried it
+            agent.send_notif(peer, encode(release))
+        for f in step.finished:
+            imp = self.reading.get(f.request_id)
+            if imp is not None:
+                imp.finished[d] = f
+                # Checked as the rank reports: a later answer ("released") proves less.
+                rec = self.state.record(self.streams[d], f.request_id)
+                imp.unproven |= bool(self.proofs.unproven(
+                    lambda r, d=d, rid=f.request_id: (d, rid, r), rec))
+                if len(imp.finished) == len(self.engines):
+                    self._conclude(f.request_id, imp)
 
-    def _finish_without_reads(self, imp_req: SimRequest, rid: str, outcome: str, now: float) -> None:
-        self.ledger.record(ReleaseSent, rid, now, notify_only=True)
-        self._release(rid, range(self.cfg.decode_tp))
-        self.on_done(imp_req, outcome)
+    def _each(self, call: str, rid: str, now: float) -> None:
+        """Every rank's engine hears the same input (admission-time decisions of the scheduler)."""
+        for d, engine in enumerate(self.engines):
+            self._carry_out(d, getattr(engine, call)(rid, now), now)
 
     def _cancel(self, req: SimRequest, now: float) -> None:
-        rec = self.state.record(self.stream, req.rid)
+        rec = self.state.record(self.streams[0], req.rid)
         if rec is None:  # not admitted yet: `_admit` sees ``req.cancelled`` and releases
             return
-        self.ledger.record(ClientCancelled, req.rid, now)
-        if rec.state is DState.CANCELLED:  # nothing was posted: release at once
-            self.waiting.pop(req.rid, None)
-            self._finish_without_reads(req, req.rid, "cancelled", now)
+        self._each("cancel", req.rid, now)
+        if self.state.record(self.streams[0], req.rid).state is DState.DONE and (
+                self.waiting.pop(req.rid, None) is not None):
+            self.on_done(req, "cancelled")  # nothing was posted: released at once
         # CANCELLED_READING: the reads own P's blocks and our pages until they drain.
+
+    def _end_without_reads(self, req: SimRequest, rid: str, call: str, outcome: str,
+                           now: float, *reason: str) -> None:
+        for d, engine in enumerate(self.engines):
+            self._carry_out(d, getattr(engine, call)(rid, now, *reason), now)
+        self.on_done(req, outcome)
 
     def _admit(self, req: SimRequest, params: TransferParams, now: float) -> None:
         cfg = self.cfg
         rid = params.request_id
-        if self.state.record(self.stream, rid) is not None:
+        try:
+            for engine in self.engines:
+                engine.check_unused(rid, params.remote_engine)
+        except MalformedMessage:
             # The same parameters again (a client retry): P's blocks were, or are
             # being, released on the first admission's account; never read them twice.
             self.on_done(req, "failed")
             return
         self.tokens[rid] = params.token
-        self.ledger.record(Admitted, rid, now, remote_engine=params.remote_engine,
-                           remote_ranks=tuple(range(cfg.tp)), num_blocks=params.num_blocks,
-                           lease_s=cfg.lease_s, lease_margin_s=cfg.margin_s,
-                           local_request_id=f"local-{req.serial}")
+        for d, engine in enumerate(self.engines):
+            engine.admit(rid, now, peer=self.peers[d], remote_engine=params.remote_engine,
+                         remote_ranks=(d // self.k,), num_blocks=params.num_blocks,
+                         lease_s=cfg.lease_s, token=params.token, local_id=f"local-{req.serial}")
         if req.cancelled:  # cancelled before this step admitted it: release P at once
-            self.ledger.record(ClientCancelled, rid, now)
-            self._finish_without_reads(req, rid, "cancelled", now)
+            self._end_without_reads(req, rid, "cancel", "cancelled", now)
             return
         self.on_phase(req, "admitted")
-        self.urgent[rid] = None
         if self.layouts is not None:
             self._admit_groups(req, params, now)
             return
@@ -263,12 +275,12 @@ class DecodeEngine:
             if len(ids) > self.pool.num_blocks:  # it would wait for pages forever
                 raise GeometryMismatch("pages needed", f"<= {self.pool.num_blocks}", len(ids))
         except GeometryMismatch as e:
-            self.ledger.record(Rejected, rid, now, reason=str(e))
-            self._finish_without_reads(req, rid, "rejected", now)
+            self._end_without_reads(req, rid, "rejected", "rejected", now, str(e))
             return
-        self.ledger.record(Validated, rid, now)
+        for engine in self.engines:
+            engine.validated(rid, now)
         if req.prefix_hit:  # D already holds all of it: nothing to read
-            self._finish_without_reads(req, rid, "served", now)
+            self._end_without_reads(req, rid, "nothing_to_read", "served", now)
             return
         self.waiting[rid] = Import(req, params, ids)
 
@@ -278,12 +290,12 @@ class DecodeEngine:
         try:
             pages = self._check_groups(req, params)
         except GeometryMismatch as e:
-            self.ledger.record(Rejected, rid, now, reason=str(e))
-            self._finish_without_reads(req, rid, "rejected", now)
+            self._end_without_reads(req, rid, "rejected", "rejected", now, str(e))
             return
-        self.ledger.record(Validated, rid, now)
+        for engine in self.engines:
+            engine.validated(rid, now)
         if not any(pages):  # D holds every group already: nothing to read
-            self._finish_without_reads(req, rid, "served", now)
+            self._end_without_reads(req, rid, "nothing_to_read", "served", now)
             return
         self.waiting[rid] = Import(req, params, remote_lists=[list(x) for x in params.block_ids],
                                    group_pages=pages)
@@ -309,34 +321,40 @@ class DecodeEngine:
                          params.num_tokens)
         return pages
 
+    def _post(self, d: int, rid: str, imp: Import, split: int, now: float, *args) -> None:
+        """Post one READ of rank ``d`` (``post_split_read`` with the request's splits, or
+        ``post_read`` with a READ and its notification); one the fabric refuses drains at
+        once, failed."""
+        agent = self.agents[d]
+        try:
+            handle = (agent.post_split_read if isinstance(args[0], list) else agent.post_read)(
+                self.peers[d], *args)
+        except TransportError as e:
+            imp.failed_ranks.add(d)
+            self.engines[d].split_done(rid, split, now, ok=False, reason=f"post: {e}")
+        else:
+            self.handles[(d, handle)] = (rid, split)
+            imp.rank_open[d] = imp.rank_open.get(d, 0) + 1
+
     def _post_group_reads(self, rid: str, imp: Import, local: list[int], now: float) -> None:
         """One READ per (D rank, group that needs a read), as `plan_group_reads` plans it."""
         cfg, k = self.cfg, self.k
         lists = _split(local, imp.group_pages)
+        default = self.net.read_faults
         for d in range(len(self.agents)):
             plan = plan_group_reads(self.remote_layouts[d], self.layouts[d], imp.remote_lists,
                                     lists, imp.params.num_tokens, rank=d // k)
             imp.reads.extend((d, read) for read in plan.reads)
-        self.ledger.record(ReadsPosted, rid, now,
-                           split_ranks=tuple(read.rank for _, read in imp.reads),
-                           split_groups=tuple(read.group for _, read in imp.reads))
-        self.reading[rid] = imp
-        default = self.net.read_faults
-        for split, (d, read) in enumerate(imp.reads):
-            imp.split_dranks.append(d)
-            # A group's READs may be slower than others' (a state group's): the
-            # fabric draws each READ's faults when it is posted.
-            self.net.read_faults = cfg.groups[read.group].read_faults or default
-            try:
-                handle = self.agents[d].post_split_read(self.peers[d], group_splits([read]))
-            except TransportError as e:
-                self.ledger.record(SplitFailed, rid, now, split=split, reason=f"post: {e}")
-                imp.splits_failed.append(split)
-            else:
-                self.handles[(d, handle)] = (rid, split)
-                imp.rank_open[d] = imp.rank_open.get(d, 0) + 1
-            finally:
-                self.net.read_faults = default
+            self.engines[d].reads_posted(rid, now, tuple(read.rank for read in plan.reads),
+                                         tuple(read.group for read in plan.reads))
+            for split, read in enumerate(plan.reads):
+                # A group's READs may be slower than others' (a state group's): the
+                # fabric draws each READ's faults when it is posted.
+                self.net.read_faults = cfg.groups[read.group].read_faults or default
+                try:
+                    self._post(d, rid, imp, split, now, group_splits([read]))
+                finally:
+                    self.net.read_faults = default
 
     def _group_read_landed(self, rid: str, d: int) -> None:
         """vLLM 0.32 reads every group of a rank in one transfer, whose notification (the
@@ -346,8 +364,9 @@ class DecodeEngine:
         imp.rank_open[d] -= 1
         if imp.rank_open[d] or not self.policy.release_with_reads:
             return
-        if all(imp.split_dranks[s] != d for s in imp.splits_failed):
-            self._release(rid, (d,))
+        if d not in imp.failed_ranks:
+            self.agents[d].send_notif(self.peers[d], encode(
+                Release(rid, self.name, d, self.tokens.get(rid, ""))))
 
     def _post_reads(self, now: float) -> None:
         posted = []
@@ -358,88 +377,42 @@ class DecodeEngine:
                 break  # pages free up as other imports drain
             imp.local_ids = local
             posted.append(rid)
+            self.reading[rid] = imp
             if imp.group_pages:
                 self._post_group_reads(rid, imp, local, now)
                 self.on_phase(imp.req, "reads_posted")
                 continue
-            # Split d is D rank d's READ, from P rank d // k.
-            self.ledger.record(ReadsPosted, rid, now,
-                               split_ranks=tuple(d // self.k for d in range(len(self.agents))))
-            self.reading[rid] = imp
+            # Rank d's one READ, from P rank d // k.
             read = ReadRequest(runs=coalesce(imp.remote_ids, local))
-            params_token = imp.params.token
-            carry = self.policy.release_with_reads
-            imp.split_dranks = list(range(len(self.agents)))
-            for rank, agent in enumerate(self.agents):
+            for d in range(len(self.agents)):
+                self.engines[d].reads_posted(rid, now, (d // self.k,))
                 # kvhandoff releases after finished_recving; vLLM's READ carries it.
-                release = encode(Release(rid, self.name, rank, params_token)) if carry else None
-                try:
-                    handle = agent.post_read(self.peers[rank], read, release)
-                except TransportError as e:
-                    self.ledger.record(SplitFailed, rid, now, split=rank, reason=f"post: {e}")
-                    imp.splits_failed.append(rank)
-                else:
-                    self.handles[(rank, handle)] = (rid, rank)
+                release = (encode(Release(rid, self.name, d, imp.params.token))
+                           if self.policy.release_with_reads else None)
+                self._post(d, rid, imp, 0, now, read, release)
             self.on_phase(imp.req, "reads_posted")
         for rid in posted:
             del self.waiting[rid]
 
-    def _report(self, now: float, lost) -> None:
-        cfg = self.cfg
-        done = []
-        for rid, imp in self.reading.items():
-            rec = self.state.record(self.stream, rid)
-            assert isinstance(rec, ConsumerRecord)
-            if not rec.drained:
-                continue
-            if imp.drained_at is None:
-                imp.drained_at = now
-            verdict = read_verdict_of(rec)
-            if verdict is Verdict.PENDING and not rec.cancelled and self.policy.acknowledges:
-                # (A cancelled request's bytes go nowhere: no proof needed, its
-                # pages are released as soon as the reads drained.)
-                peer_gone = any(self.p_peers[r] in lost for r in rec.split_ranks)
-                if not peer_gone and now - imp.drained_at < cfg.confirm_timeout_s:
-                    # The bytes are here and wait only for P's word: ask again
-                    # well before the next period, in case a message was lost.
-                    again = cfg.heartbeat_s / 4
-                    if imp.asked_at < 0 or now - imp.asked_at >= again:
-                        imp.asked_at = now
-                        self.urgent[rid] = None
-                    self._arm(imp.asked_at + again)
-                    self._arm(imp.drained_at + cfg.confirm_timeout_s)
-                    continue
-            done.append(rid)
-            self._finish_reads(rid, imp, rec, verdict, now)
-        for rid in done:
-            del self.reading[rid]
-
-    def _finish_reads(self, rid: str, imp: Import, rec: ConsumerRecord, verdict: Verdict,
-                      now: float) -> None:
-        record = self.ledger.record
-        record(FinishedRecving, rid, now)
+    def _conclude(self, rid: str, imp: Import) -> None:
+        """Every rank reported: the request's outcome, as vLLM's scheduler sees it."""
+        del self.reading[rid]
         req = imp.req
-        serve = False
-        received = rec.state is DState.RECEIVED
-        record(ReleaseSent, rid, now, notify_only=not received)
-        if not self.policy.release_with_reads:
-            self._release(rid, range(len(self.agents)))  # every read drained: P may free
-        else:  # vLLM: the READs carried it, but failed splits never delivered theirs
-            self._release(rid, list(dict.fromkeys(imp.split_dranks[s] for s in imp.splits_failed)))
-        if received:
-            serve = not rec.cancelled
+        cancelled = req.cancelled or any(
+            self.state.record(s, rid).cancelled for s in self.streams)
+        if all(f.ok for f in imp.finished.values()):
+            serve = not cancelled
         else:
-            serve = (self.policy.serve_unconfirmed and not rec.cancelled
-                     and not imp.splits_failed)
+            serve = self.policy.serve_unconfirmed and not cancelled and not imp.failed_ranks
         if serve:
             self.served += 1
             if not self._bytes_match(imp):
                 self.served_corrupt += 1
-            if self.proofs.unproven(lambda r: (rid, r), rec):
+            if imp.unproven:
                 self.served_unproven += 1
-        outcome = "served" if serve else ("cancelled" if rec.cancelled else "failed")
-        for rank in range(len(self.agents)):
-            self.pool.free(imp.local_ids, rank)
+        outcome = "served" if serve else ("cancelled" if cancelled else "failed")
+        for d in range(len(self.agents)):
+            self.pool.free(imp.local_ids, d)
         self.on_done(req, outcome)
 
     def _bytes_match(self, imp: Import) -> bool:
@@ -457,54 +430,16 @@ class DecodeEngine:
                               None if k == 1 else self.rows[d])
                    for d, words in enumerate(self.words))
 
-    def _heartbeat(self, now: float) -> None:
-        periodic = now >= self.next_heartbeat
-        if not periodic and not self.urgent:
-            return
-        due = heartbeat_due(self.state, self.stream).get(self.p_name, [])
-        if self.policy.stop_heartbeat_on_cancel:
-            requests = self.state.stream(self.stream).requests
-            due = [rid for rid in due if not requests[rid].cancelled]
-        if not periodic:
-            # An urgent heartbeat (an admission, drained reads waiting for proof)
-            # also carries every due request whose proof of life is going stale:
-            # a request must not depend on periodic messages alone when those are
-            # the ones being lost (a lease died that way while urgent messages in
-            # between got through).
-            stale = now + 0.5 * self.cfg.lease_s
-            requests = self.state.stream(self.stream).requests
-            due = [rid for rid in due if rid in self.urgent or _stale(requests[rid], stale)]
-        self.urgent.clear()
-        if periodic:
-            requests = self.state.stream(self.stream).requests
-            self.next_heartbeat = now + heartbeat_period(
-                self.cfg.heartbeat_s, (requests[rid].lease_s for rid in due))
-        if not due:
-            return
-        for rid in due:
-            self.ledger.record(HeartbeatSent, rid, now)
-        # Every P rank holds the request until D's release after finished_recving,
-        # even one whose READ already completed under proof: heartbeat them all.
-        ids = tuple(due)
-        tokens = tuple(self.tokens.get(rid, "") for rid in ids)
-        for p_rank, peer in enumerate(self.p_peers):
-            d = p_rank * self.k  # the first D rank reading that P rank speaks for all
-            self.agents[d].send_notif(peer, encode(Heartbeat(self.name, d, now, ids, tokens)))
-            for rid in ids:
-                self.last_beat[(rid, p_rank)] = now
-        # Whatever made us send, these requests are due again at the next period.
-        # (Arming only after periodic rounds lost the period of a request whose
-        # first heartbeat was its admission one: found by Hypothesis.)
-        self._arm(self.next_heartbeat)
-
-    def _arm(self, t: float) -> None:
-        self.loop.wake_at(t)
-
     # -- end of run -----------------------------------------------------------------
 
     def unfinished(self) -> list[str]:
-        return [f"{self.stream}:{rid}" for rid, rec in self.state.stream(self.stream).requests.items()
+        return [f"{stream}:{rid}" for stream in self.streams
+                for rid, rec in self.state.stream(stream).requests.items()
                 if rec.state is not DState.DONE]
+
+    @property
+    def refused_events(self) -> int:
+        return sum(engine.counts["refused_events"] for engine in self.engines)
 
 
 def _split(ids, sizes: list[int]) -> list[list[int]]:

@@ -73,7 +73,7 @@ def _silence_before(cfg: RunConfig) -> float:
     lost = (hb.max_consecutive_drops or 0) if hb is not None and hb.drop else 0
     delayed = hb.delay_s if hb is not None and hb.delay else 0.0
     stall = cfg.stall_s[1] if cfg.stall else 0.0
-    return cfg.heartbeat_s * (1 + lost) + stall + delayed
+    return cfg.heartbeat_interval_s * (1 + lost) + stall + delayed
 
 
 # --- the catalogue ----------------------------------------------------------------
@@ -119,8 +119,8 @@ def _prefix_hit(cfg: RunConfig, rng: random.Random) -> None:
           "the proxy hands requests to D around the moment their lease ends; some arrive "
           "after it (D must refuse what it reads then)")
 def _boundary(cfg: RunConfig, rng: random.Random) -> None:
-    cfg.lease_s, cfg.heartbeat_s, cfg.margin_s = 2.0, 2.0 / 6, 0.1
-    cfg.confirm_timeout_s = 1.0
+    cfg.lease_s, cfg.heartbeat_interval_s, cfg.lease_margin_s = 2.0, 2.0 / 6, 0.1
+    cfg.read_timeout_s = 1.0
     cfg.proxy_delay_s = (0.8 * cfg.lease_s, 1.2 * cfg.lease_s)
     cfg.exceeds_lease = True
 
@@ -245,8 +245,8 @@ def _split_failure(cfg: RunConfig, rng: random.Random) -> None:
           "D's (and P's) engine loop stalls for seconds at a time (GC, long forward passes): "
           "heartbeats go out late but within the lease")
 def _slow_loop(cfg: RunConfig, rng: random.Random) -> None:
-    cfg.stall, cfg.stall_s = rng.uniform(0.05, 0.3), (0.5, 2.0 * cfg.heartbeat_s)
-    cfg.p_stall, cfg.p_stall_s = rng.uniform(0.0, 0.2), (0.5, 2.0 * cfg.heartbeat_s)
+    cfg.stall, cfg.stall_s = rng.uniform(0.05, 0.3), (0.5, 2.0 * cfg.heartbeat_interval_s)
+    cfg.p_stall, cfg.p_stall_s = rng.uniform(0.0, 0.2), (0.5, 2.0 * cfg.heartbeat_interval_s)
     _slow_reads(cfg, share=0.4)
     cfg.cancel = CancelPlan(0.3, ("reads_posted", "admitted"), (0.0, 5.0))
 
@@ -282,7 +282,7 @@ def _swarm(cfg: RunConfig, rng: random.Random) -> None:
                                  slow=rng.uniform(0.0, 0.5) if maybe() else 0.0,
                                  slow_s=(0.001, rng.uniform(0.01, 2.5) * lease))
     if maybe(0.3):
-        cfg.stall, cfg.stall_s = rng.uniform(0.0, 0.2), (0.1, 2.0 * cfg.heartbeat_s)
+        cfg.stall, cfg.stall_s = rng.uniform(0.0, 0.2), (0.1, 2.0 * cfg.heartbeat_interval_s)
     if maybe(0.2):
         duration = rng.uniform(0.1, 2.0) * lease
         cfg.partitions = [(rng.uniform(0.0, 0.1), duration)]

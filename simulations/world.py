@@ -166,7 +166,7 @@ class World:
             clock.call_at(cfg.crash_p_at, self._crash_p)
         if cfg.crash_d_at is not None:
             clock.call_at(cfg.crash_d_at, self._crash_d)
-        self.horizon = fault_end + 6 * cfg.lease_s + cfg.link.read_timeout_s + cfg.confirm_timeout_s
+        self.horizon = fault_end + 6 * cfg.lease_s + cfg.link.read_timeout_s + cfg.read_timeout_s
 
     # -- clients and proxy ---------------------------------------------------------
 
@@ -370,7 +370,8 @@ class World:
             "lease_expiries": expiries,
             "events": len(self.p_lines) + len(self.d_lines),
             # events P's engines refused (a bug of the driver or the engine: never expected)
-            "refused_events": sum(e.counts["refused_events"] for e in p.engines),
+            "refused_events": (sum(e.counts["refused_events"] for e in p.engines)
+                               + sum(d.refused_events for d in decoders)),
         }
         p_log = b"".join(line + b"\n" for line in self.p_lines)
         d_log = b"".join(line + b"\n" for line in self.d_lines)

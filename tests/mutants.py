@@ -93,12 +93,14 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("release_at_post_time", "simulations/decode.py",
            "            self.reading[rid] = imp\n",
            "            self.reading[rid] = imp\n"
-           "            self._release(rid, range(len(self.agents)))\n",
+           "            for d in range(len(self.agents)):\n"
+           "                self.agents[d].send_notif(self.peers[d], encode(Release(\n"
+           "                    rid, self.name, d, imp.params.token)))\n",
            "D releases P's blocks when it posts the READs"),
-    Mutant("serve_unconfirmed_reads", "simulations/decode.py",
-           "            serve = (self.policy.serve_unconfirmed and not rec.cancelled\n",
-           "            serve = (not rec.cancelled\n",
-           "D serves reads still unproven when it gives up waiting for P's word"),
+    Mutant("serve_unconfirmed_reads", "core/consumer.py",
+           "        ok = rec.state is DState.RECEIVED\n",
+           "        ok = not rec.failed\n",
+           "D reports unproven reads as received when it gives up waiting for P's word"),
     Mutant("never_expire_leases", "core/policy.py",
            "            if rec.state is PState.EXPORTED and t >= rec.deadline]\n",
            "            if rec.state is PState.EXPORTED and t >= rec.deadline and False]\n",
@@ -150,6 +152,26 @@ MUTANTS: tuple[Mutant, ...] = (
            "                step.freed.append(rid)\n",
            "                pass\n",
            "P frees a request in its log but never tells the host engine (blocks leak)"),
+    # Issue #14: D's decisions in one engine (`core.consumer`), which the simulator and the
+    # connector both drive.
+    Mutant("report_a_timed_out_read_in_flight", "core/consumer.py",
+           "            if req.in_flight:\n                continue  # a failed READ still moving bytes",
+           "            if False:\n                continue  # a failed READ still moving bytes",
+           "D reports (and releases P for) a READ it gave up on while it still moves bytes"),
+    Mutant("ack_from_any_agent", "core/consumer.py",
+           "            if (isinstance(rec, ConsumerRecord) and req is not None and req.peer == sender\n",
+           "            if (isinstance(rec, ConsumerRecord) and req is not None\n",
+           "D takes a lease answer from an agent the request does not read from"),
+    Mutant("forget_a_cancelled_request_reading", "core/consumer.py",
+           "            if self._rec(rid).state is DState.CANCELLED:  # nothing posted: release at once\n",
+           "            if self._rec(rid).state is DState.CANCELLED_READING:\n"
+           "                self.abandon(rid)\n"
+           "            if self._rec(rid).state is DState.CANCELLED:  # nothing posted: release at once\n",
+           "D forgets a cancelled request whose READs are in flight (no heartbeat, no report)"),
+    Mutant("no_urgent_heartbeat_at_admission", "core/policy.py",
+           "        if since >= period or urgent or not fresh.isdisjoint(rids):\n",
+           "        if since >= period or urgent:\n",
+           "D waits a whole period before its first heartbeat for a new request"),
 )
 
 

@@ -245,9 +245,11 @@ def test_a_failed_split_waits_for_the_others_and_every_p_rank_hears_a_release():
     result = _first_seed("split_failure_drains_others",
                          lambda r: any(e["type"] == "split_failed" for e in events(r.d_log)))
     d = events(result.d_log)
-    failed = {e["rid"] for e in d if e["type"] == "split_failed"}
-    for rid in failed:
-        history = [e for e in d if e["rid"] == rid]
+    # Each D rank is a stream of its own (its READs, its report), as in vLLM's workers.
+    failed_on = {(e["rid"], e["rank"]) for e in d if e["type"] == "split_failed"}
+    failed = {rid for rid, _ in failed_on}
+    for rid, rank in failed_on:
+        history = [e for e in d if e["rid"] == rid and e["rank"] == rank]
         posted = next(e for e in history if e["type"] == "reads_posted")
         splits = len(posted["split_ranks"])
         done_before_finish = [e for e in history
@@ -265,7 +267,8 @@ def test_a_failed_split_waits_for_the_others_and_every_p_rank_hears_a_release():
 def test_tp_splits_are_rank_local_reads():
     result = run_one("tp2_split_reads", 0)
     posted = [e for e in events(result.d_log) if e["type"] == "reads_posted"]
-    assert posted and all(e["split_ranks"] == [0, 1] for e in posted)
+    assert posted and all(e["split_ranks"] == [e["rank"]] for e in posted)
+    assert {e["rank"] for e in posted} == {0, 1}
     releases = [e for e in events(result.p_log) if e["type"] == "release_notified"]
     assert releases and all(e["consumer_rank"] == e["rank"] for e in releases)
 
@@ -338,7 +341,7 @@ def test_regression_a_request_first_heartbeated_at_admission_keeps_its_heartbeat
     cfg = build("steady_state", 3387)
     cfg.tp, cfg.prefix_hit, cfg.cancel = 1, 0.5, CancelPlan()
     cfg.read_faults = ReadFaults(slow=1.0, slow_s=(0.0, 2.0 * cfg.lease_s))
-    cfg.stall, cfg.stall_s = 0.25, (0.0, cfg.heartbeat_s)
+    cfg.stall, cfg.stall_s = 0.25, (0.0, cfg.heartbeat_interval_s)
     world = World(cfg)
     result = world.run(on_step=World.check_safety)
     assert result.metrics["freed_under_read"] == result.metrics["lease_expiries"] == 0
@@ -417,7 +420,8 @@ def test_with_more_d_ranks_than_p_ranks_each_d_rank_reads_its_head_group_from_it
     assert exported and all(e["consumer_ranks"] == list(range(e["rank"] * k, (e["rank"] + 1) * k))
                             for e in exported)
     posted = [e for e in d if e["type"] == "reads_posted"]
-    assert posted and all(e["split_ranks"] == [r // k for r in range(cfg.d_tp)] for e in posted)
+    assert posted and all(e["split_ranks"] == [e["rank"] // k] for e in posted)
+    assert {e["rank"] for e in posted} == set(range(cfg.d_tp))
     releases = [e for e in p if e["type"] == "release_notified"]
     assert releases and all(e["consumer_rank"] // k == e["rank"] for e in releases)
     # P frees a rank only when every D rank reading it released (or the lease ran out).

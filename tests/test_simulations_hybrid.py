@@ -51,10 +51,12 @@ def events(log: bytes) -> list[dict]:
     return [orjson.loads(line) for line in log.splitlines()]
 
 
-def _by_rid(evs: list[dict]) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {}
+def _by_stream(evs: list[dict]) -> dict[tuple[str, int], list[dict]]:
+    """(request id, rank) -> that rank's events of the request: each D rank is a stream of
+    its own (its READs, its report, its release), as each vLLM worker is."""
+    out: dict[tuple[str, int], list[dict]] = {}
     for e in evs:
-        out.setdefault(e["rid"], []).append(e)
+        out.setdefault((e["rid"], e["rank"]), []).append(e)
     return out
 
 
@@ -65,10 +67,9 @@ def _split_ends(history: list[dict]) -> dict[int, dict]:
 
 def _frees_follow_every_split(result) -> int:
     """Assert P freed each exported (request, rank) exactly once, never before the last split
-    reading that P rank (every group's) ended, and under kvhandoff, which releases after
-    ``finished_recving``, never before the request's last split; return how many requests
-    with splits were checked."""
-    d, p = _by_rid(events(result.d_log)), events(result.p_log)
+    reading that P rank (every group's, from every D rank reading it) ended; return how many
+    D ranks' requests with splits were checked."""
+    d, p = _by_stream(events(result.d_log)), events(result.p_log)
     exported = {(e["rid"], e["rank"]) for e in p if e["type"] == "exported"}
     frees: dict[tuple[str, int], list[float]] = {}
     for e in p:
@@ -77,19 +78,18 @@ def _frees_follow_every_split(result) -> int:
     assert set(frees) == exported, "every exported (request, P rank) is freed"
     assert all(len(ts) == 1 for ts in frees.values()), "freed exactly once"
     checked = 0
-    for rid, history in d.items():
+    for (rid, d_rank), history in d.items():
         posted = [e for e in history if e["type"] == "reads_posted"]
         if not posted:
             continue
         ends = _split_ends(history)
         ranks = posted[0]["split_ranks"]
-        assert len(ends) == len(ranks), f"{rid}: every split drained"
+        assert len(ends) == len(ranks), f"{rid} on D rank {d_rank}: every split drained"
         for rank in set(ranks):
-            last = max(ends[i]["t"] for i, r in enumerate(ranks)
-                       if r == rank or result.policy == "kvhandoff")
+            last = max(ends[i]["t"] for i, r in enumerate(ranks) if r == rank)
             assert frees[(rid, rank)][0] >= last, (
                 f"{rid}: P rank {rank} freed at {frees[(rid, rank)][0]} before the last "
-                f"split reading it ended at {last}")
+                f"split reading it (D rank {d_rank}) ended at {last}")
         checked += 1
     return checked
 
@@ -126,9 +126,10 @@ def test_every_split_is_one_rank_and_one_group_of_the_plan(scenario):
     assert posted
     for e in posted:
         groups = [g for g in (FULL, SLIDING, STATE) if g not in held[e["rid"]]]
-        # one split per (D rank, group that needs a read), D rank d reading P rank d // k
+        # one split per group that needs a read, D rank d reading P rank d // k
         assert list(zip(e["split_ranks"], e["split_groups"], strict=True)) == [
-            (d // k, g) for d in range(world.cfg.decode_tp) for g in groups]
+            (e["rank"] // k, g) for g in groups]
+    assert {e["rank"] for e in posted} == set(range(world.cfg.decode_tp))
 
 
 def test_one_groups_failed_split_fails_the_request_and_p_frees_once_after_the_others():
@@ -141,7 +142,7 @@ def test_one_groups_failed_split_fails_the_request_and_p_frees_once_after_the_ot
             assert result.metrics["overwritten_under_read"] == 0
             _frees_follow_every_split(result)
             outcome = {r.rid: r.outcome for r in world.requests}
-            for rid, history in _by_rid(events(result.d_log)).items():
+            for (rid, _), history in _by_stream(events(result.d_log)).items():
                 failed = [e for e in history if e["type"] == "split_failed"]
                 if not failed:
                     continue
@@ -167,7 +168,7 @@ def test_the_cancel_lands_after_the_kv_groups_and_before_the_state_group():
     # What the scenario is about: the KV groups' READs landed, the state READ runs on.
     result = run_one("hybrid_cancel_during_state_read", 1)
     between = 0
-    for history in _by_rid(events(result.d_log)).values():
+    for history in _by_stream(events(result.d_log)).values():
         kinds = {e["type"]: e for e in history}
         if "client_cancelled" not in kinds or "reads_posted" not in kinds:
             continue
@@ -211,10 +212,10 @@ def test_a_sliding_group_d_holds_posts_no_split_and_no_group_to_read_is_notify_o
             result = world.run()
             assert result.metrics["lease_expiries"] == 0
             _frees_follow_every_split(result)
-            d = _by_rid(events(result.d_log))
+            d = _by_stream(events(result.d_log))
             released = {e["rid"] for e in events(result.p_log) if e["type"] == "release_notified"}
             for req in world.requests:
-                history = d.get(req.rid, [])
+                history = d.get((req.rid, 0), [])
                 posted = [e for e in history if e["type"] == "reads_posted"]
                 if set(req.held_groups) == {FULL, SLIDING, STATE} and history:
                     assert not posted, "no group needs a read: nothing posted"
@@ -326,9 +327,9 @@ def test_every_seed_model_split_is_one_rank_and_one_owner_and_p_frees_after_them
     posted = [e for e in events(result.d_log) if e["type"] == "reads_posted"]
     assert posted
     for e in posted:
-        # every owner of every D rank, the PLE copy included: D rank d reads P rank d // k
+        # every owner, the PLE copy included: D rank d reads P rank d // k
         assert list(zip(e["split_ranks"], e["split_groups"], strict=True)) == [
-            (d // k, g) for d in range(world.cfg.decode_tp) for g in range(len(QWEN4_OWNERS))]
+            (e["rank"] // k, g) for g in range(len(QWEN4_OWNERS))]
     if (scenario, policy) != ("qwen4_cancel_during_gdn_read", "vllm-0.32"):  # the gap itself
         assert _frees_follow_every_split(result)
     assert result.metrics["served_corrupt"] == 0
@@ -353,7 +354,7 @@ def test_a_slow_group_keeps_p_holding_every_group_until_its_read_drained(scenari
             assert result.metrics["freed_under_read"] == 0
             assert result.metrics["lease_expiries"] == 0
             checked += _frees_follow_every_split(result)
-            for history in _by_rid(events(result.d_log)).values():
+            for history in _by_stream(events(result.d_log)).values():
                 posted = next((e for e in history if e["type"] == "reads_posted"), None)
                 if posted is None:
                     continue
@@ -376,7 +377,7 @@ def test_one_failing_owner_fails_the_request_and_p_frees_once_after_the_others()
             assert result.metrics["overwritten_under_read"] == 0
             _frees_follow_every_split(result)
             outcome = {r.rid: r.outcome for r in world.requests}
-            for rid, history in _by_rid(events(result.d_log)).items():
+            for (rid, _), history in _by_stream(events(result.d_log)).items():
                 failed = [e for e in history if e["type"] == "split_failed"]
                 if not failed:
                     continue
@@ -404,7 +405,7 @@ def test_the_cancel_lands_after_the_attention_owners_and_before_the_gdn_state():
     between = 0
     for seed in (1, 2):
         result = run_one("qwen4_cancel_during_gdn_read", seed)
-        for history in _by_rid(events(result.d_log)).values():
+        for history in _by_stream(events(result.d_log)).values():
             kinds = {e["type"]: e for e in history}
             if "client_cancelled" not in kinds or "reads_posted" not in kinds:
                 continue
@@ -448,7 +449,7 @@ def test_tp2_each_p_rank_holds_the_same_ple_state_and_each_d_rank_reads_its_own_
                 if e["type"] == "reads_posted":
                     ple = [r for r, g in zip(e["split_ranks"], e["split_groups"], strict=True)
                            if g == PLE]
-                    assert ple == [0, 1], "one PLE split per D rank, from its own P rank"
+                    assert ple == [e["rank"]], "one PLE split per D rank, from its own P rank"
         assert compared, policy
 
 

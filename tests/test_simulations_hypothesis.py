@@ -56,14 +56,14 @@ def test_fault_rates_drawn_by_hypothesis_never_break_safety(
     # within that, the lease must hold (three in a row exceed what a lease of
     # six heartbeat periods promises once engine stalls are added).
     hb = NotifFaults(drop=drop, duplicate=duplicate, reorder=reorder, delay=delay,
-                     delay_s=delay_frac * cfg.heartbeat_s, max_consecutive_drops=2)
+                     delay_s=delay_frac * cfg.heartbeat_interval_s, max_consecutive_drops=2)
     cfg.notif_faults = {"hb": hb, "ack": hb,
                         "rel": NotifFaults(duplicate=duplicate, reorder=reorder, delay=delay,
                                            delay_s=delay_frac * lease)}
     cfg.read_faults = ReadFaults(fail=read_fail, slow=slow, slow_s=(0.0, slow_frac * lease))
     cfg.cancel = CancelPlan(cancel, tuple(phases), (0.0, 0.3 * lease))
     cfg.invalid_geometry, cfg.prefix_hit = invalid, prefix
-    cfg.stall, cfg.stall_s = stall, (0.0, cfg.heartbeat_s)
+    cfg.stall, cfg.stall_s = stall, (0.0, cfg.heartbeat_interval_s)
     if crash == "P":
         cfg.crash_p_at = crash_at
     elif crash == "D":

@@ -74,7 +74,8 @@ def test_a_simulated_cancel_during_read_is_a_well_formed_trace(tmp_path, capsys,
     capsys.readouterr()
     doc = _trace(tmp_path, capsys, paths)
     got = check_trace(doc, _times(paths))
-    assert sorted(got["processes"].values()) == ["decode-0/D0", "prefill-0/P0", "prefill-0/P1"]
+    assert sorted(got["processes"].values()) == [
+        "decode-0/D0", "decode-0/D1", "prefill-0/P0", "prefill-0/P1"]
     assert set(got["phases"]) == set("MBEbeisf")
     assert got["flows"]["heartbeat"] > 0
     # The race, as the trace shows it for req-0 (cancelled during READs that outlast the lease).

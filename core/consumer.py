@@ -1,0 +1,446 @@
+"""D's engine: every decision of one decode rank, sans I/O.
+
+Theory of operation
+-------------------
+`ConsumerEngine` owns one D rank's stream of the lifecycle (a `Ledger` over
+a `LifecycleState`) and makes that rank's decisions from its fold.  It
+performs no I/O and reads no clock: its driver feeds it what happened and
+carries out what it returns.  Each request reads from one P rank, its
+``peer``: an opaque name the driver chose (the transport agent of that P
+rank), used to send to it and to vouch for what arrives from it.
+
+* Admission: ``check_unused`` (parameters are single-use: `ParamsReused`),
+  ``admit`` (the request is heartbeated from now on), then ``validated`` or
+  ``rejected`` (a notify-only release).  ``nothing_to_read`` ends a request
+  D holds entirely (a notify-only release).
+* READs: ``reads_posted`` (one split per READ the driver posts), then
+  ``split_done`` as each drains (a READ that could not be posted drains at
+  once, failed).  A split READ that outlives `policy.read_deadline` is failed
+  by ``poll`` (NIXL cannot cancel it): it still owns D's pages and P's lease,
+  so the request keeps its heartbeat and is reported only once it drained.
+* ``cancel``: the client went away.  With no READ posted P is released at
+  once; with READs in flight nothing changes until they drained.
+* ``on_notification(sender, message, now)``: P's acknowledgements, each
+  taken only from the peer the request reads (``sender`` is who the driver
+  vouches sent it, never what the message claims).
+* ``poll(now)``: fail READs past their deadline, report what is due
+  (`policy.report_due`; ``finished_recving`` once, then the release), and
+  plan the heartbeats (`policy.heartbeat_plan`).  The driver sends each one
+  and then says so with ``heartbeat_sent`` (a send that fails is not
+  recorded, and is planned again next poll).
+* ``forget(now)`` drops finished records (`policy.to_forget`).
+
+The connector's D worker (`adapters.vllm.consumer`) and the simulator's D
+(`simulations.decode`, one engine per simulated rank) drive this same
+object.  The model of vLLM 0.32's D in the simulator is driver choices on
+top of it (it drops cancelled requests from the heartbeats it sends, reports
+drained READs without waiting for P's word, lets each READ carry its release).
+
+An event the fold refuses is a bug of the driver or a hostile peer: it is
+logged, counted (``counts["refused_events"]``) and leaves the state
+unchanged.  ``counts`` only grows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field
+
+import structlog
+
+from kvhandoff.core.errors import LifecycleError, MalformedMessage
+from kvhandoff.core.events import (
+    Admitted,
+    ClientCancelled,
+    Event,
+    FinishedRecving,
+    Forgotten,
+    HeartbeatSent,
+    LeaseAcknowledged,
+    ReadsPosted,
+    Rejected,
+    ReleaseSent,
+    SplitCompleted,
+    SplitFailed,
+    Stream,
+    Validated,
+)
+from kvhandoff.core.ledger import Ledger
+from kvhandoff.core.lifecycle import (
+    ConsumerRecord,
+    DState,
+    LifecycleState,
+    Verdict,
+    read_verdict_of,
+)
+from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Message, Release
+from kvhandoff.core.policy import (
+    TimingConfig,
+    heartbeat_due,
+    heartbeat_period,
+    heartbeat_plan,
+    next_heartbeat,
+    read_deadline,
+    report_due,
+    to_forget,
+)
+
+log = structlog.get_logger(__name__)
+
+_READING = (DState.READING, DState.CANCELLED_READING)
+
+
+class ParamsReused(MalformedMessage):
+    """The parameters name a P request this D already took: they are single-use."""
+
+
+class RequestIdCollision(MalformedMessage):
+    """Another P's request under an id this D still remembers for a different P."""
+
+
+@dataclass(slots=True)
+class Finished:
+    """A request reported ``finished_recving``: ``ok`` when D may use its bytes."""
+
+    request_id: str
+    ok: bool
+    verdict: Verdict
+    reason: str = ""  # why not ok (the first failure, or the verdict's meaning)
+
+
+@dataclass(slots=True)
+class ConsumerStep:
+    """What the driver must do after an input."""
+
+    heartbeats: list[tuple[Hashable, Heartbeat, bool]] = field(default_factory=list)  # (peer, msg, urgent)
+    releases: list[tuple[Hashable, Release]] = field(default_factory=list)  # (to whom, message)
+    finished: list[Finished] = field(default_factory=list)  # tell the host engine, once each
+    timed_out: list[str] = field(default_factory=list)  # READs failed past their deadline
+
+
+@dataclass(slots=True)
+class _Request:
+    """The engine's working data for one request (its lifecycle is the fold's)."""
+
+    peer: Hashable
+    token: str
+    in_flight: set[int] = field(default_factory=set)  # splits whose READ still moves bytes
+    splits_failed: bool = False  # failed by the deadline or given up: drains record nothing
+
+
+_UNPROVEN = {
+    Verdict.UNSAFE: "a read completed after P may have freed its blocks (P answered: gone)",
+    Verdict.PENDING: "no answer from P proving it held the blocks within read_timeout_s",
+}
+
+
+class ConsumerEngine:
+    """One D rank's lifecycle decisions (see the module docstring)."""
+
+    def __init__(self, stream: Stream, timing: TimingConfig, state: LifecycleState | None = None,
+                 sink: Callable[[Event], None] | None = None) -> None:
+        self.stream = stream
+        self.timing = timing
+        self.ledger = Ledger(stream, state, sink)
+        self.state = self.ledger.state
+        self.counts: Counter[str] = Counter()
+        self._reqs: dict[str, _Request] = {}  # requests this rank still acts for
+        self._reading: dict[str, None] = {}  # of those, with READs posted and not reported
+        self._fresh: set[str] = set()  # admitted, not heartbeated yet
+        self._last_sent: dict[Hashable, float] = {}  # per peer: the last heartbeat
+        self._reasked: set[Hashable] = set()  # peers asked again for an overdue answer
+        self._awaiting: set[Hashable] = set()  # peers owing an answer, as the last poll saw
+        self._deadline = math.inf  # the earliest READ deadline the last poll saw
+
+    # ---- admission -------------------------------------------------------------
+
+    def check_unused(self, rid: str, remote_engine: str, cleanup: bool = False) -> bool:
+        """Raise unless ``rid``'s parameters may be taken now; True for a clean-up (``cleanup``)
+        of a request this D already took (nothing to do for it).
+
+        Parameters are single-use: a second request naming a P request this D
+        took (in any state, released included, until `to_forget` drops it, two
+        leases after it ended) must never read P's blocks again.
+        """
+        rec = self._rec(rid)
+        if not isinstance(rec, ConsumerRecord):
+            return False
+        if rec.remote_engine != remote_engine:
+            raise RequestIdCollision(
+                f"remote_request_id {rid!r} of {remote_engine!r} collides with the request of "
+                f"{rec.remote_engine!r} this D still knows (local request {rec.local_id!r}, "
+                f"state {rec.state.value})")
+        if cleanup:
+            return True
+        raise ParamsReused(
+            f"remote_request_id {rid!r} was already taken by local request {rec.local_id!r} "
+            f"(state {rec.state.value}): transfer parameters are single-use")
+
+    def admit(self, rid: str, now: float, *, peer: Hashable, remote_engine: str,
+              remote_ranks: Iterable[int], num_blocks: int, lease_s: float, token: str = "",
+              local_id: str = "") -> bool:
+        """Take the request (heartbeated from now until its reads drained or P is released)."""
+        if not self._record(Admitted, rid, now, remote_engine=remote_engine,
+                            remote_ranks=tuple(remote_ranks), num_blocks=num_blocks,
+                            lease_s=lease_s, lease_margin_s=self.timing.lease_margin_s,
+                            local_request_id=local_id):
+            return False
+        self._reqs[rid] = _Request(peer, token)
+        self._fresh.add(rid)
+        return True
+
+    def validated(self, rid: str, now: float) -> bool:
+        return self._record(Validated, rid, now)
+
+    def rejected(self, rid: str, now: float, reason: str) -> ConsumerStep:
+        """The request cannot be read (its parameters do not fit): release P notify-only."""
+        step = ConsumerStep()
+        if self._record(Rejected, rid, now, reason=reason[:500]):
+            self._release(rid, now, True, step)
+        return step
+
+    def nothing_to_read(self, rid: str, now: float) -> ConsumerStep:
+        """D holds every block already (a local prefix hit): P may free now."""
+        step = ConsumerStep()
+        self._release(rid, now, True, step)
+        return step
+
+    def cancel(self, rid: str, now: float) -> ConsumerStep:
+        """The client went away.  READs in flight keep P's lease and D's pages until drained."""
+        step = ConsumerStep()
+        rec = self._rec(rid)
+        if isinstance(rec, ConsumerRecord) and rec.state is not DState.DONE:
+            self._record(ClientCancelled, rid, now)
+            if self._rec(rid).state is DState.CANCELLED:  # nothing posted: release at once
+                self._release(rid, now, True, step)
+        return step
+
+    # ---- READs -------------------------------------------------------------------------
+
+    def reads_posted(self, rid: str, now: float, split_ranks: Iterable[int],
+                     split_groups: Iterable[int] = ()) -> bool:
+        """The driver is posting one READ per split (then ``split_done`` for each)."""
+        ranks = tuple(split_ranks)
+        if not self._record(ReadsPosted, rid, now, split_ranks=ranks,
+                            split_groups=tuple(split_groups)):
+            return False
+        req = self._reqs[rid]
+        req.in_flight = set(range(len(ranks)))
+        self._reading[rid] = None
+        return True
+
+    def split_done(self, rid: str, split: int, now: float, ok: bool = True,
+                   reason: str = "") -> None:
+        """Split ``split``'s READ drained (``ok``: its bytes landed).  A drained READ that was
+        failed already (deadline, give-up) only gives D's pages back."""
+        req = self._reqs.get(rid)
+        if req is None or split not in req.in_flight:
+            self.counts["completions_ignored"] += 1
+            return
+        req.in_flight.discard(split)
+        if req.splits_failed:
+            return
+        if ok:
+            if self._record(SplitCompleted, rid, now, split=split):
+                self.counts["reads_completed"] += 1
+        elif self._record(SplitFailed, rid, now, split=split, reason=reason or "read failed"):
+            self.counts["reads_failed"] += 1
+
+    def give_up(self, rid: str, now: float, reason: str) -> ConsumerStep:
+        """Fail the request after an error of the driver's: before any READ it is rejected
+        (P released notify-only); with READs in flight they are failed and the request is
+        reported once they drained.  Returns the release to send, if any."""
+        step = ConsumerStep()
+        rec = self._rec(rid)
+        req = self._reqs.get(rid)
+        if not isinstance(rec, ConsumerRecord) or req is None:
+            return step
+        if rec.state in (DState.ADMITTED, DState.VALIDATED):
+            return self.rejected(rid, now, reason)
+        if rec.state in _READING and not req.splits_failed:
+            self._fail_open_splits(rid, rec, req, now, reason)
+        return step
+
+    def abandon(self, rid: str) -> None:
+        """Stop acting for ``rid`` (its fold stays as it is): no heartbeat, no report, no
+        release.  P frees its blocks when the lease lapses.  Only for a request whose every
+        READ drained (the driver checks `in_flight`)."""
+        self._reqs.pop(rid, None)
+        self._reading.pop(rid, None)
+        self._fresh.discard(rid)
+
+    def in_flight(self, rid: str) -> int:
+        """How many of the request's READs still move bytes into D's pages."""
+        req = self._reqs.get(rid)
+        return len(req.in_flight) if req is not None else 0
+
+    def peer_of(self, rid: str) -> Hashable | None:
+        req = self._reqs.get(rid)
+        return req.peer if req is not None else None
+
+    # ---- what arrived -------------------------------------------------------------
+
+    def on_notification(self, sender: Hashable, msg: Message, now: float) -> None:
+        """P's answers; one from another agent than the request's peer proves nothing."""
+        if not isinstance(msg, HeartbeatAck):
+            self.counts["notifications_ignored"] += 1  # D expects nothing else from P
+            return
+        self.counts["acks_received"] += 1
+        for rid, left in sorted(msg.time_left.items()):
+            rec = self._rec(rid)
+            req = self._reqs.get(rid)
+            if (isinstance(rec, ConsumerRecord) and req is not None and req.peer == sender
+                    and rec.remote_engine == msg.engine):
+                self._record(LeaseAcknowledged, rid, now, p_rank=msg.rank, sent_at=msg.sent_at,
+                             time_left=left)
+            else:
+                self.counts["notifications_ignored"] += 1
+
+    # ---- time passing ---------------------------------------------------------------
+
+    def poll(self, now: float) -> ConsumerStep:
+        """Fail READs past their deadline, report what is due, plan the heartbeats."""
+        step = ConsumerStep()
+        wake = math.inf
+        awaiting: set[Hashable] = set()
+        for rid in list(self._reading):
+            rec, req = self._rec(rid), self._reqs[rid]
+            if not isinstance(rec, ConsumerRecord) or rec.state not in _READING:
+                del self._reading[rid]
+                continue
+            deadline = read_deadline(rec, self.timing.read_timeout_s)
+            if req.in_flight and not req.splits_failed:
+                if now > deadline:
+                    waited = now - rec.posted_at
+                    self._fail_open_splits(rid, rec, req, now,
+                                           f"read timeout after {waited:.1f}s (read_timeout_s "
+                                           f"{self.timing.read_timeout_s}, lease_s {rec.lease_s} "
+                                           f"without word from P)")
+                    self.counts["reads_timed_out"] += 1
+                    step.timed_out.append(rid)
+                else:
+                    wake = min(wake, deadline)
+            if req.in_flight:
+                continue  # a failed READ still moving bytes owns D's pages: wait for it
+            if report_due(rec, now, self.timing):
+                self._finish(rid, rec, now, step)
+            elif rec.drained:  # the bytes are here and wait only for P's word
+                awaiting.add(req.peer)
+                wake = min(wake, deadline)
+        self._awaiting, self._deadline = awaiting, wake
+        self._plan_heartbeats(now, awaiting, step)
+        return step
+
+    def report_now(self, rid: str, now: float) -> ConsumerStep:
+        """Report a request whose READs drained without waiting for P's word: what vLLM 0.32
+        does (the simulator's model of it), never this engine's own choice."""
+        step = ConsumerStep()
+        rec = self._rec(rid)
+        if (rid in self._reading and isinstance(rec, ConsumerRecord) and rec.state in _READING
+                and rec.drained and not self._reqs[rid].in_flight):
+            self._finish(rid, rec, now, step)
+        return step
+
+    @property
+    def due_at(self) -> float:
+        """When ``poll`` has work at the latest, nothing new arriving (a READ deadline, a
+        heartbeat): the driver may poll earlier (``poll`` then finds less to do)."""
+        return min(self._deadline, next_heartbeat(self._due(), self.timing, self._last_sent,
+                                                  self._lease_of, self._awaiting, self._reasked))
+
+    def heartbeat_sent(self, peer: Hashable, hb: Heartbeat, now: float, urgent: bool) -> None:
+        """The driver sent ``hb`` (planned by ``poll``, or fewer of its ids) to ``peer``."""
+        self._last_sent[peer] = now
+        if urgent:
+            self._reasked.add(peer)
+        if not hb.request_ids:
+            return  # the driver dropped every id (vLLM's model): its timer ran all the same
+        self.counts["heartbeats_sent"] += 1
+        period = heartbeat_period(self.timing.heartbeat_interval_s,
+                                  map(self._lease_of, hb.request_ids))
+        if any(rid not in self._fresh and now - self._rec(rid).last_heartbeat > 2 * period
+               for rid in hb.request_ids if isinstance(self._rec(rid), ConsumerRecord)):
+            self.counts["heartbeats_sent_late"] += 1
+        for rid in hb.request_ids:
+            self._record(HeartbeatSent, rid, now)
+            self._fresh.discard(rid)
+
+    def forget(self, now: float) -> list[str]:
+        """Drop finished records `to_forget` names (each a `Forgotten` event); returns them."""
+        gone = [rid for rid in to_forget(self.state, self.stream, now, self.timing.lease_s)
+                if self._record(Forgotten, rid, now)]
+        for rid in gone:
+            self.abandon(rid)
+        return gone
+
+    # ---- decisions ----------------------------------------------------------------------
+
+    def _plan_heartbeats(self, now: float, awaiting: set[Hashable], step: ConsumerStep) -> None:
+        self._reasked &= awaiting
+        for peer, rids, urgent in heartbeat_plan(self._due(), now, self.timing, self._last_sent,
+                                                 self._lease_of, self._fresh, awaiting,
+                                                 self._reasked):
+            ordered = tuple(sorted(rids))
+            tokens = tuple(self._reqs[rid].token for rid in ordered)
+            step.heartbeats.append((peer, Heartbeat(self.stream.engine, self.stream.rank, now,
+                                                    ordered, tokens if any(tokens) else ()),
+                                    urgent))
+
+    def _due(self) -> dict[Hashable, list[str]]:
+        """The requests to keep alive, per peer: every one this rank acts for in a heartbeat
+        state (from admission until its reads drained or a notify-only release)."""
+        due: dict[Hashable, list[str]] = {}
+        for rids in heartbeat_due(self.state, self.stream).values():
+            for rid in rids:
+                req = self._reqs.get(rid)
+                if req is not None:
+                    due.setdefault(req.peer, []).append(rid)
+        return due
+
+    def _lease_of(self, rid: str) -> float:
+        return self._rec(rid).lease_s
+
+    def _fail_open_splits(self, rid: str, rec: ConsumerRecord, req: _Request, now: float,
+                          reason: str) -> None:
+        req.splits_failed = True
+        for split, done in enumerate(rec.split_done):
+            if done is None:
+                self._record(SplitFailed, rid, now, split=split, reason=reason[:500])
+        self.counts["reads_failed"] += 1
+
+    def _finish(self, rid: str, rec: ConsumerRecord, now: float, step: ConsumerStep) -> None:
+        verdict = read_verdict_of(rec)
+        if not self._record(FinishedRecving, rid, now):
+            return
+        del self._reading[rid]
+        ok = rec.state is DState.RECEIVED
+        reason = "" if ok else (rec.failed or _UNPROVEN.get(verdict, "nothing D may serve"))
+        step.finished.append(Finished(rid, ok, verdict, reason))
+        self._release(rid, now, not ok, step)
+
+    def _release(self, rid: str, now: float, notify_only: bool, step: ConsumerStep) -> None:
+        req = self._reqs.get(rid)
+        if self._record(ReleaseSent, rid, now, notify_only=notify_only):
+            self.counts["releases_sent"] += 1
+            self.counts["notify_only_releases"] += notify_only
+            if req is not None:
+                step.releases.append((req.peer, Release(rid, self.stream.engine,
+                                                        self.stream.rank, req.token)))
+        self._fresh.discard(rid)
+
+    # ---- bookkeeping -----------------------------------------------------------------
+
+    def _rec(self, rid: str) -> ConsumerRecord | None:
+        return self.state.record(self.stream, rid)
+
+    def _record(self, event_type: type[Event], rid: str, t: float, **fields) -> bool:
+        try:
+            self.ledger.record(event_type, rid, t, **fields)
+            return True
+        except LifecycleError as exc:
+            self.counts["refused_events"] += 1
+            log.error("consumer.refused_event", stream=str(self.stream), request_id=rid,
+                      event_kind=event_type.kind, error=str(exc))
+            return False
