@@ -6,6 +6,9 @@
   public ``apply``; events are built before timing.
 * ``replay_events_per_s`` — a 1,000,000-event log written to disk, then
   streamed (parsing and every check included) and folded.
+* ``replay_command_events_per_s`` — the same log through what ``kvhandoff
+  replay --json`` does: read, merged by time, folded with the cross-engine
+  invariant checks, summarised (state hash included).
 * ``bytes_per_live_request`` — traced memory of the fold per live transfer
   (P's record exported + D's record reading) at 100,000 live transfers.
 * ``transitions_machine_per_request_events_per_s`` — the same mix driven
@@ -47,7 +50,8 @@ from kvhandoff.core.events import (
     Validated,
 )
 from kvhandoff.core.lifecycle import D_GRAPH, P_GRAPH, DState, LifecycleState, PState, apply, fold
-from kvhandoff.core.log import iter_log, write_log
+from kvhandoff.core.log import iter_log, read_logs, write_log
+from kvhandoff.core.replay import replay
 
 P = Stream("prefill-0", Side.P, 0)
 D = Stream("decode-0", Side.D, 0)
@@ -127,15 +131,19 @@ def bench_apply(transfers: int, repeat: int) -> float:
     return _median_rate(len(events), run, repeat)
 
 
-def bench_replay(n_events: int, repeat: int) -> tuple[float, int]:
+def bench_replay(n_events: int, repeat: int) -> tuple[float, float, int]:
+    """(fold of the streamed log, the whole ``replay --json`` path, log bytes)."""
     per_transfer = len(lifecycle_mix(20)) / 20
     events = lifecycle_mix(int(n_events / per_transfer) + 1)[:n_events]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "bench.jsonl")
         write_log(path, events)
+        n = len(events)
+        del events
         size = os.path.getsize(path)
-        rate = _median_rate(len(events), lambda: fold(iter_log(path)), repeat)
-    return rate, size
+        rate = _median_rate(n, lambda: fold(iter_log(path)), repeat)
+        command = _median_rate(n, lambda: replay(read_logs([path])).summary(), repeat)
+    return rate, command, size
 
 
 def bench_memory(live: int) -> float:
@@ -256,13 +264,14 @@ def add_arguments(parser) -> None:
 def run(args) -> dict:
     apply_rate = bench_apply(args.transfers, args.repeat)
     baseline = bench_transitions_baseline(args.baseline_transfers, args.repeat)
-    replay_rate, log_bytes = bench_replay(args.replay_events, args.repeat)
+    replay_rate, command_rate, log_bytes = bench_replay(args.replay_events, args.repeat)
     per_request = bench_memory(args.live)
     hot_p = bench_hot_p(args.live, args.hot_p_d_ranks, args.repeat)
     return {
         **hot_p,
         "apply_events_per_s": round(apply_rate),
         "replay_events_per_s": round(replay_rate),
+        "replay_command_events_per_s": round(command_rate),
         "replay_events": args.replay_events,
         "replay_log_bytes": log_bytes,
         "bytes_per_live_request": round(per_request),
