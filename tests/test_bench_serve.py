@@ -89,9 +89,11 @@ def test_p_frees_every_export_once_and_replay_is_clean(result):
     assert kvh["all_freed_after_s"] is not None and kvh["p_kv_cache_usage_after"] == 0, kvh
     check = kvh["replay_check"]
     assert check["exit_code"] == 0 and check["violations"] == 0, check
-    assert check["requests"] >= carried and check["command"].startswith(
-        "kvhandoff replay --check --json ")
+    assert check["events"] > 0 and check["freed_under_read"] == 0, check
+    assert set(check["states"]) <= {"P:FREED", "D:DONE"}, check  # nothing left half-way
+    assert check["command"].startswith("kvhandoff replay --check --json ")
     nixl = handoff[NIXL]  # no event log: P's own metrics only
     assert nixl["p_exports"] is None and nixl["replay_check"] is None
-    assert nixl["p_nixl_expired_reqs"] is not None and nixl["p_kv_cache_usage_after"] is not None
+    assert None not in (nixl["p_nixl_expired_reqs"], nixl["p_nixl_notifications_after_expiry"],
+                        nixl["p_kv_cache_usage_after"]), nixl
     assert all(code == 0 for h in handoff.values() for code in h["exit_codes"].values()), handoff

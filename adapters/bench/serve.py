@@ -25,8 +25,10 @@ no prefix cache so every request moves its whole prompt), the example router
   back to 0), the servers are stopped, and for kvhandoff P's exports and
   frees are counted from the logs and ``kvhandoff replay --check --json``
   runs over P's and D's logs.  NixlConnector's P reports its lease
-  expiries (``vllm:nixl_num_kv_expired_reqs``); exports/frees and replay are
-  n/a for it.
+  expiries (``vllm:nixl_num_kv_expired_reqs``) and the notifications that D
+  read blocks P had already freed at expiry
+  (``vllm:nixl_num_notifications_after_expiry``); exports/frees and replay
+  are n/a for it.
 
 Ratios are kvhandoff / NixlConnector per concurrency and metric.
 """
@@ -318,9 +320,12 @@ def _replay_check(logs: list[str]) -> dict[str, Any]:
     argv = [sys.executable, "-m", "kvhandoff.adapters.cli", "replay", "--check", "--json", *logs]
     r = subprocess.run(argv, capture_output=True, text=True, check=False)
     summary = json.loads(r.stdout) if r.stdout.strip() else {}
+    # (``states`` counts the requests the fold still holds at the end: it forgets
+    # finished ones after a while, so it is no count of every request.)
     return {"exit_code": r.returncode, "violations": len(summary.get("violations", [])),
-            "requests": summary.get("requests"), "command": "kvhandoff replay --check --json "
-            + " ".join(logs)}
+            "events": summary.get("events"), "freed_under_read": summary.get("freed_under_read"),
+            "states": summary.get("states"),
+            "command": "kvhandoff replay --check --json " + " ".join(logs)}
 
 
 def _handoff(route: _Route, exit_codes: dict[str, int | None], freed_in_s: float | None,
@@ -364,6 +369,9 @@ def _one_connector(connector: str, model: str, args: argparse.Namespace,
         p_metrics = {
             "p_kv_cache_usage_after": _metric(route.p.url, "vllm:kv_cache_usage_perc"),
             "p_nixl_expired_reqs": _metric(route.p.url, "vllm:nixl_num_kv_expired_reqs_total"),
+            # a D's "done reading" for blocks P already let go of at lease expiry
+            "p_nixl_notifications_after_expiry": _metric(
+                route.p.url, "vllm:nixl_num_notifications_after_expiry_total"),
             "p_prefills_ok": _metric(route.p.url, "vllm:request_success_total",
                                      finished_reason="length")}
     finally:
