@@ -9,10 +9,25 @@ vLLM (``finished_sending``).  The notification thread runs `_notif_loop`; the
 engine thread runs `_p_step` once per engine step.  Each notification and
 each request's step runs contained (`_p_contained`): an error costs only that
 one, never the thread or vLLM's engine loop.
+
+The notification thread and the GIL
+-----------------------------------
+While P holds a delayed free (every exported request, until D's release),
+vLLM's engine loop steps without pause, in Python, holding the GIL.  A
+thread woken by a timer must then wait for CPython's switch interval (5 ms
+by default) before the engine thread is made to hand the GIL over: D's
+heartbeat waited about that long for its answer (measured, docs/benchmarks.md,
+bench vllm co-located).  `_notif_loop` therefore lowers the process's switch
+interval to ``notif_poll_s`` while it runs (`_FastGilSwitch`; restored when
+the last P worker of the process stops): the thread wakes every
+``notif_poll_s`` with live leases, so it gets the GIL within about one period,
+and only a thread that asks for the GIL makes the engine thread switch.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
 import time
 from typing import Any
 
@@ -25,6 +40,31 @@ from kvhandoff.core.producer import ProducerStep
 log = structlog.get_logger(__name__)
 
 
+class _FastGilSwitch:
+    """The process's GIL switch interval, at most ``interval_s`` while any P worker's
+    notification thread runs; the interval found before the first is restored after
+    the last.  (The interval is one value per process: this counts its users.)"""
+
+    _lock = threading.Lock()
+    _users = 0
+    _saved = 0.0
+
+    @classmethod
+    def enter(cls, interval_s: float) -> None:
+        with cls._lock:
+            if cls._users == 0:
+                cls._saved = sys.getswitchinterval()
+            cls._users += 1
+            sys.setswitchinterval(min(sys.getswitchinterval(), interval_s))
+
+    @classmethod
+    def exit(cls) -> None:
+        with cls._lock:
+            cls._users -= 1
+            if cls._users == 0:
+                sys.setswitchinterval(cls._saved)
+
+
 class ProducerHalf:
     def _on_hello(self, hello: dict[str, Any], metadata: bytes) -> bytes:
         with self.lock:
@@ -33,16 +73,20 @@ class ProducerHalf:
             return self.transport.metadata()
 
     def _notif_loop(self) -> None:
-        while not self._stop.is_set():
-            with self.lock:
-                try:
-                    self._p_handle_notifs()
-                except Exception as exc:  # never let the thread die silently
-                    log.error("vllm.worker.notif_loop_error", error=str(exc),
-                              error_type=type(exc).__name__)
-                self._flush_log()  # durable within one poll period
-                live = self.producer.live()
-            self._stop.wait(self.cfg.notif_poll_s if live else self.cfg.idle_poll_s)
+        _FastGilSwitch.enter(self.cfg.notif_poll_s)  # see the module docstring
+        try:
+            while not self._stop.is_set():
+                with self.lock:
+                    try:
+                        self._p_handle_notifs()
+                    except Exception as exc:  # never let the thread die silently
+                        log.error("vllm.worker.notif_loop_error", error=str(exc),
+                                  error_type=type(exc).__name__)
+                    self._flush_log()  # durable within one poll period
+                    live = self.producer.live()
+                self._stop.wait(self.cfg.notif_poll_s if live else self.cfg.idle_poll_s)
+        finally:
+            _FastGilSwitch.exit()
 
     def _p_handle_notifs(self) -> None:
         notes = self._notifications()

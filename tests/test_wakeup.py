@@ -1,0 +1,106 @@
+"""P answers a heartbeat promptly while another Python thread holds the GIL.
+
+While P holds a delayed free, vLLM's engine loop steps without pause in
+Python; P's notification thread, woken by its timer, then waited CPython's
+switch interval (5 ms by default) for the GIL before it could answer D
+(docs/benchmarks.md, bench vllm co-located).  The notification thread lowers
+the switch interval to ``notif_poll_s`` while it runs (`producer._FastGilSwitch`).
+Here the main thread stands in for that engine loop: it pumps D and never
+steps P, so only P's notification thread can answer.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import sys
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("nixl")
+
+from hybrid_layouts import one_group_layout  # noqa: E402
+
+from kvhandoff.adapters.vllm.config import HandoffConfig  # noqa: E402
+from kvhandoff.adapters.vllm.metadata import Admit, Export, StepPlan  # noqa: E402
+from kvhandoff.adapters.vllm.params import RemotePrefill  # noqa: E402
+from kvhandoff.adapters.vllm.producer import _FastGilSwitch  # noqa: E402
+from kvhandoff.adapters.vllm.worker import HandoffWorker  # noqa: E402
+from kvhandoff.core.events import Side  # noqa: E402
+from kvhandoff.core.log import read_log  # noqa: E402
+
+BLOCK, LAYERS, HEADS, HEAD, NUM_BLOCKS = 16, 2, 2, 64, 16
+COMPAT = {"model": "test", "dtype": "torch.float16", "block_size": BLOCK, "num_kv_heads": HEADS,
+          "head_size": HEAD, "num_layers": LAYERS, "tp_size": 1}
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+LAYOUT = one_group_layout(NAMES, NUM_BLOCKS, BLOCK, HEADS * BLOCK * 2 * HEAD * 2)
+LEASE = 30.0
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _caches() -> dict[str, object]:
+    buf = torch.zeros((LAYERS, NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD)).half()
+    return {name: buf[i] for i, name in enumerate(NAMES)}
+
+
+def _first(path: str, rid: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for e in read_log(path):
+        if e.request_id == rid:
+            out.setdefault(e.kind, e.t)
+    return out
+
+
+def test_the_switch_interval_is_lowered_while_p_runs_and_restored_after_the_last():
+    before = sys.getswitchinterval()
+    _FastGilSwitch.enter(0.0005)
+    _FastGilSwitch.enter(0.001)  # a second P worker in the process: the lower value stays
+    assert sys.getswitchinterval() == pytest.approx(min(before, 0.0005))
+    _FastGilSwitch.exit()
+    assert sys.getswitchinterval() == pytest.approx(min(before, 0.0005))
+    _FastGilSwitch.exit()
+    assert sys.getswitchinterval() == pytest.approx(before)
+
+
+def test_p_answers_within_a_poll_period_or_so_while_the_gil_is_busy(tmp_path):
+    port = _port()
+    extra = {"lease_s": LEASE, "log_dir": str(tmp_path), "side_channel_port": port}
+    before = sys.getswitchinterval()
+    p = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "P-wk", Side.P, 0, 1, COMPAT)
+    d = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "D-wk", Side.D, 0, 1, COMPAT)
+    try:
+        p.register_kv_caches(_caches(), LAYOUT)
+        d.register_kv_caches(_caches(), LAYOUT)
+        assert sys.getswitchinterval() <= p.cfg.notif_poll_s
+        waits = []
+        for i in range(12):
+            rid, token = f"r{i}", f"tok-{i}"
+            p.start_step(StepPlan(prefill_started=[rid]))
+            p.finish_step()
+            p.start_step(StepPlan(exports=[Export(rid, 1, token)]))
+            p.finish_step()
+            params = RemotePrefill("P-wk", rid, "127.0.0.1", port, 1, ((i,),), BLOCK, LEASE,
+                                   token=token).to_wire()
+            d.start_step(StepPlan(admits=[Admit(f"L{i}", params, "", BLOCK)]))
+            # The engine loop stand-in: Python without pause; P is never stepped.
+            deadline = time.monotonic() + 10  # the first admission waits for the handshake
+            while "lease_acknowledged" not in _first(d.flush(), rid):
+                d.finish_step()
+                assert time.monotonic() < deadline, "no acknowledgement from P"
+            events = _first(d.log_path, rid)
+            if i:
+                waits.append(events["lease_acknowledged"] - events["heartbeat_sent"])
+        # CPython's default interval alone (5 ms) was the wait before; a loaded
+        # machine adds its own scheduling delays to whichever interval applies.
+        assert statistics.median(waits) < 0.005, waits
+    finally:
+        d.close()
+        p.close()
+    assert sys.getswitchinterval() == pytest.approx(before)
