@@ -232,21 +232,23 @@ class ConsumerEngine:
         return True
 
     def split_done(self, rid: str, split: int, now: float, ok: bool = True,
-                   reason: str = "") -> None:
-        """Split ``split``'s READ drained (``ok``: its bytes landed).  A drained READ that was
-        failed already (deadline, give-up) only gives D's pages back."""
+                   reason: str = "") -> bool:
+        """Split ``split``'s READ drained (``ok``: its bytes landed); True when recorded.  A
+        drained READ that was failed already (deadline, give-up) only gives D's pages back."""
         req = self._reqs.get(rid)
         if req is None or split not in req.in_flight:
-            self.counts["completions_ignored"] += 1
-            return
+            return False
         req.in_flight.discard(split)
         if req.splits_failed:
-            return
+            return False
         if ok:
             if self._record(SplitCompleted, rid, now, split=split):
                 self.counts["reads_completed"] += 1
+                return True
         elif self._record(SplitFailed, rid, now, split=split, reason=reason or "read failed"):
             self.counts["reads_failed"] += 1
+            return True
+        return False
 
     def give_up(self, rid: str, now: float, reason: str) -> ConsumerStep:
         """Fail the request after an error of the driver's: before any READ it is rejected
@@ -318,7 +320,6 @@ class ConsumerEngine:
                                            f"read timeout after {waited:.1f}s (read_timeout_s "
                                            f"{self.timing.read_timeout_s}, lease_s {rec.lease_s} "
                                            f"without word from P)")
-                    self.counts["reads_timed_out"] += 1
                     step.timed_out.append(rid)
                 else:
                     wake = min(wake, deadline)

@@ -35,6 +35,8 @@ import tempfile
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvhandoff.core.policy import TimingConfig
+
 
 class ConnectorConfigError(ValueError):
     """A ``kv_connector_extra_config`` value that cannot be used; names key, expected, found."""
@@ -71,6 +73,12 @@ class HandoffConfig:
     debug_read_delay_s: float = 0.0
     debug_read_delay_param: bool = False
     trusted_producers: tuple[str, ...] = LOOPBACK_PRODUCERS
+
+    @property
+    def timing(self) -> TimingConfig:
+        """The lifecycle's timing settings, as the engines take them."""
+        return TimingConfig(self.lease_s, self.heartbeat_interval_s, self.lease_margin_s,
+                            self.read_timeout_s)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None, vllm_failure_policy: str = "fail",

@@ -1,8 +1,12 @@
-"""D's half of the worker: admit, validate, read, heartbeat, report once, release.
+"""D's half of the worker: I/O around `core.consumer.ConsumerEngine`.
 
-A mixin of `HandoffWorker` (which owns the ledger, the transport and the
+A mixin of `HandoffWorker` (which owns the engine, the transport and the
 lock; see its module docstring).  Everything here runs on the engine thread
-inside `start_step` / `finish_step`.
+inside `start_step` / `finish_step`.  This module parses what vLLM hands it
+(the request's parameters, the handshake), checks them against the caches
+(`_geometry_problem`), posts the READs the plan names and carries out what
+the engine returns: the engine decides what to heartbeat and when, when to
+give up on a READ or on P's word, what to report and what to release.
 
 Nothing a request carries may stop the engine: each per-request step runs
 under `_contained`, which turns an exception into `_give_up` for that
@@ -15,7 +19,6 @@ once its READs drained, then forgotten, so P frees it by lease.
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,56 +31,22 @@ from kvhandoff.adapters.vllm.params import MalformedTransferParams, RemotePrefil
 from kvhandoff.adapters.vllm.side_channel import HandshakeFailed, PeerIncompatible, handshake
 from kvhandoff.adapters.vllm.trust import UntrustedProducer
 from kvhandoff.core import messages
+from kvhandoff.core.consumer import ConsumerStep, Finished, ParamsReused
 from kvhandoff.core.errors import GeometryMismatch, MalformedMessage
-from kvhandoff.core.events import (
-    Admitted,
-    ClientCancelled,
-    FinishedRecving,
-    HeartbeatSent,
-    LeaseAcknowledged,
-    ReadsPosted,
-    Rejected,
-    ReleaseSent,
-    SplitCompleted,
-    SplitFailed,
-    Validated,
-)
 from kvhandoff.core.groups import CacheLayout, MalformedGroups
-from kvhandoff.core.lifecycle import (
-    ConsumerRecord,
-    DState,
-    Verdict,
-    read_verdict_of,
-)
+from kvhandoff.core.lifecycle import ConsumerRecord, DState, Verdict
 from kvhandoff.core.planning import (
     export_lengths,
     plan_group_reads,
     tokens_loaded,
     validate_block_ids,
 )
-from kvhandoff.core.policy import (
-    awaiting_proof,
-    heartbeat_due,
-    heartbeat_period,
-    read_deadline,
-    reads_to_report,
-)
 from kvhandoff.transports.base import group_splits
 
 log = structlog.get_logger(__name__)
 
 
-_REFUSED_BECAUSE = {
-    Verdict.UNSAFE: "a read completed after P may have freed its blocks (P answered: gone)",
-    Verdict.PENDING: "no answer from P proving it held the blocks within read_timeout_s",
-}
-
-
 _VERDICT_CLASS = {Verdict.UNSAFE: "unsafe", Verdict.PENDING: "unproven", Verdict.FAILED: "failed"}
-
-
-class TransferParamsReused(MalformedTransferParams):
-    """The parameters name a P request this D already took: they are single-use."""
 
 
 class ProducerRefused(MalformedTransferParams):
@@ -115,7 +84,7 @@ def reject_class(exc: BaseException) -> str:
             return "layout_version"
     for kind, name in ((LayoutVersionMismatch, "layout_version"),
                        (UntrustedProducer, "untrusted_producer"),
-                       (TransferParamsReused, "reused_params"),
+                       (ParamsReused, "reused_params"),
                        (HandshakeFailed, "handshake_failed"),
                        (PeerIncompatible, "incompatible_peer"),
                        (GeometryMismatch, "geometry"),
@@ -146,18 +115,12 @@ class IncomingHandoff:
     handles: dict[int, int] = field(default_factory=dict)  # transport handle -> split
     posted_at: float = 0.0
     split_bytes: list[int] = field(default_factory=list)  # bytes each split reads
-    timed_out: bool = False  # a READ outlived read_timeout_s (its splits are failed)
     gave_up: bool = False  # failed by _give_up after an unexpected error
     repeats: int = 0  # errors contained for it after it was given up
     held: list[tuple[float, int, bool, str]] = field(default_factory=list)
     parked: bool = False  # waiting for the handshake with its P
     pending_read: tuple[list[list[int]], bool] | None = None  # a read that came while parked
     cancelled: bool = False
-
-    @property
-    def splits_failed(self) -> bool:
-        """Its splits are failed already: a READ draining now brings nothing to record."""
-        return self.timed_out or self.gave_up
 
     def in_flight(self, now: float) -> list[int]:
         """READ handles not completed by ``now`` (they own D's pages and P's lease).
@@ -285,7 +248,9 @@ class ConsumerHalf:
                 remote = parse_remote_prefill(a.params)
             inc.remote = remote
             self.trusted.check(*self._dial_address(remote))  # before a single packet leaves
-            if self._known(remote, local_id, a.cleanup):
+            if self.consumer.check_unused(remote.request_id, remote.engine_id, a.cleanup):
+                log.info("vllm.worker.cleanup_of_known_request", local_request_id=local_id,
+                         request_id=remote.request_id)
                 inc.remote = None
                 return
             peer = self._peer_for(remote, now)
@@ -304,17 +269,17 @@ class ConsumerHalf:
             log.error("vllm.worker.request_rejected", local_request_id=local_id, error=inc.error)
             return
         rid = remote.request_id
-        if not self._record(Admitted, rid, now, remote_engine=remote.engine_id,
-                            remote_ranks=(self.rank,), num_blocks=sum(map(len, remote.block_ids)),
-                            lease_s=remote.lease_s, lease_margin_s=self.cfg.lease_margin_s,
-                            local_request_id=local_id):
+        if not self.consumer.admit(rid, now, peer=peer.agent, remote_engine=remote.engine_id,
+                                   remote_ranks=(self.rank,),
+                                   num_blocks=sum(map(len, remote.block_ids)),
+                                   lease_s=remote.lease_s, token=remote.token,
+                                   local_id=local_id):
             inc.error = "admission refused by the lifecycle"
             self._count("rejected")
             self._count("rejected_lifecycle")
             return
         inc.admitted = True
         self._by_remote[rid] = local_id
-        self._fresh.add(rid)
         if a.cleanup:
             return  # its cancel (same plan) sends P a notify-only release
         reason = a.error or self._geometry_problem(remote, peer, a.num_prompt_tokens)
@@ -325,38 +290,9 @@ class ConsumerHalf:
             self._count(kstats.failure_key("rejected", kind))
             log.error("vllm.worker.request_rejected", local_request_id=local_id, request_id=rid,
                       error=reason)
-            self._record(Rejected, rid, now, reason=reason)
-            self._release(rid, now, notify_only=True)
+            self._carry_out(self.consumer.rejected(rid, now, reason), now)
         else:
-            self._record(Validated, rid, now)
-
-    def _known(self, remote: RemotePrefill, local_id: str, cleanup: bool) -> bool:
-        """True for a clean-up of a request this D already took (nothing to do for it).
-
-        Parameters are single-use: a second request naming a P request this D
-        took (in any state, released included, until the record is pruned two
-        to three leases after it ended, the request's lease if longer than
-        D's) must never read P's blocks again; it
-        fails.  (Past that, P has long freed the blocks and answers "gone":
-        D refuses the bytes as unproven.)
-        """
-        rec = self._rec(remote.request_id)
-        if not isinstance(rec, ConsumerRecord):
-            return False
-        if rec.remote_engine != remote.engine_id:
-            # Another P's request under the same id: not a reuse, but the fold
-            # (one record per request id) cannot hold both until it is pruned.
-            raise MalformedTransferParams(
-                f"remote_request_id {remote.request_id!r} of {remote.engine_id!r} collides with "
-                f"the request of {rec.remote_engine!r} this D still knows (local request "
-                f"{rec.local_id!r}, state {rec.state.value})")
-        if cleanup:
-            log.info("vllm.worker.cleanup_of_known_request", local_request_id=local_id,
-                     request_id=remote.request_id, state=rec.state.value)
-            return True
-        raise TransferParamsReused(
-            f"remote_request_id {remote.request_id!r} was already taken by local request "
-            f"{rec.local_id!r} (state {rec.state.value}): transfer parameters are single-use")
+            self.consumer.validated(rid, now)
 
     def _geometry_problem(self, remote: RemotePrefill, peer: ProducerLink, num_prompt_tokens: int) -> str:
         """Why ``remote`` cannot be read into this D, or "" (checked before any READ)."""
@@ -384,33 +320,19 @@ class ConsumerHalf:
                 return str(exc)
         return ""
 
-    def _release(self, rid: str, now: float, notify_only: bool) -> None:
-        inc = self._incoming.get(self._by_remote.get(rid, ""))
-        remote = inc.remote if inc else None
-        peer = self._peers.get(self._dial_address(remote)) if remote else None
-        if peer is not None:
-            msg = messages.Release(rid, self.engine_id, self.rank, remote.token)
-            try:
-                self.transport.send_notif(peer.agent, messages.encode(msg))
-            except Exception as exc:  # P gone: its lease will lapse on its own
-                log.warning("vllm.worker.release_failed", request_id=rid, error=str(exc))
-        if self._record(ReleaseSent, rid, now, notify_only=notify_only):
-            self._count("releases_sent")
-            if notify_only:
-                self._count("notify_only_releases")
-        self._fresh.discard(rid)
+    def _rid_of(self, local_id: str) -> str | None:
+        """P's request id of an admitted local request (what the engine knows it by)."""
+        inc = self._incoming.get(local_id)
+        return inc.remote.request_id if inc is not None and inc.admitted and inc.remote else None
 
     def _cancel(self, local_id: str, now: float) -> None:
         inc = self._incoming.get(local_id)
         if inc is None:
             return
         inc.cancelled = True
-        rid = inc.remote.request_id if inc.admitted and inc.remote else None
-        rec = self._rec(rid) if rid else None
-        if isinstance(rec, ConsumerRecord) and rec.state is not DState.DONE:
-            self._record(ClientCancelled, rid, now)
-            if self._rec(rid).state is DState.CANCELLED:
-                self._release(rid, now, notify_only=True)
+        rid = self._rid_of(local_id)
+        if rid is not None:
+            self._carry_out(self.consumer.cancel(rid, now), now)
         if not inc.read_entry and not inc.parked:
             # vLLM is not waiting for a completion: nothing more to report.
             # With reads in flight the request stays until they drain; a
@@ -434,7 +356,7 @@ class ConsumerHalf:
         if inc.parked:  # the handshake with its P is still running: post when it is done
             inc.pending_read = (local_block_ids, awaiting)
             return
-        rid = inc.remote.request_id if inc.admitted and inc.remote else None
+        rid = self._rid_of(local_id)
         rec = self._rec(rid) if rid else None
         if not isinstance(rec, ConsumerRecord) or rec.state is not DState.VALIDATED:
             if awaiting:
@@ -443,7 +365,7 @@ class ConsumerHalf:
                 self._forget(local_id)
             return
         if not awaiting:  # full local prefix hit: nothing to read, P may free now
-            self._release(rid, now, notify_only=True)
+            self._carry_out(self.consumer.nothing_to_read(rid, now), now)
             self._forget(local_id)
             return
         peer = self._peers[self._dial_address(inc.remote)]
@@ -453,23 +375,21 @@ class ConsumerHalf:
                                     local_block_ids, inc.remote.num_tokens, self.rank,
                                     null_block=0)
         except GeometryMismatch as exc:
-            self._record(ReadsPosted, rid, now, split_ranks=(self.rank,))
-            self._record(SplitFailed, rid, now, split=0, reason=str(exc)[:500])
-            self._count("reads_failed")
+            self.consumer.reads_posted(rid, now, (self.rank,))
+            self.consumer.split_done(rid, 0, now, ok=False, reason=str(exc)[:500])
             return
         if plan.notify_only:  # everything was a local hit after all: nothing to move
-            self._record(ReadsPosted, rid, now, split_ranks=(self.rank,))
-            self._record(SplitCompleted, rid, now, split=0)
+            self.consumer.reads_posted(rid, now, (self.rank,))
+            self.consumer.split_done(rid, 0, now)
             return
-        self._record(ReadsPosted, rid, now, split_ranks=tuple(r.rank for r in plan.reads),
-                     split_groups=tuple(r.group for r in plan.reads))
+        self.consumer.reads_posted(rid, now, tuple(r.rank for r in plan.reads),
+                                   tuple(r.group for r in plan.reads))
         inc.split_bytes = [r.nbytes for r in plan.reads]
         for split, read in enumerate(plan.reads):
             try:
                 handle = self.transport.post_split_read(peer.agent, group_splits([read]))
             except Exception as exc:
-                self._record(SplitFailed, rid, now, split=split, reason=f"post failed: {exc}")
-                self._count("reads_failed")
+                self.consumer.split_done(rid, split, now, ok=False, reason=f"post failed: {exc}")
                 continue
             inc.handles[handle] = split
             self._count("reads_posted")
@@ -484,6 +404,46 @@ class ConsumerHalf:
                             r.local_block_ids, r.awaiting, now, awaiting=r.awaiting)
         for local_id in plan.cancels:
             self._contained("cancel", local_id, now, self._cancel, local_id, now)
+
+    # ---- the engine's effects ----------------------------------------------
+
+    def _send(self, peer: str, msg: messages.Message, what: str) -> bool:
+        try:
+            self.transport.send_notif(peer, messages.encode(msg))
+            return True
+        except Exception as exc:  # P gone: its lease lapses on its own; a heartbeat is retried
+            log.warning(f"vllm.worker.{what}_failed", producer_agent=peer, error=str(exc))
+            return False
+
+    def _carry_out(self, step: ConsumerStep, now: float) -> None:
+        """Send what the engine decided and hand vLLM what it must hear."""
+        for peer, hb, urgent in step.heartbeats:
+            if self._send(peer, hb, "heartbeat"):
+                self.consumer.heartbeat_sent(peer, hb, now, urgent)
+        for peer, release in step.releases:
+            self._send(peer, release, "release")
+        for rid in step.timed_out:
+            rec = self._rec(rid)
+            log.warning("vllm.worker.read_timeout", request_id=rid,
+                        waited_s=round(now - rec.posted_at, 3),
+                        timeout_s=self.cfg.read_timeout_s, lease_s=rec.lease_s,
+                        splits_in_flight=self.consumer.in_flight(rid))
+        for f in step.finished:
+            inc = self._incoming.get(self._by_remote.get(f.request_id) or "")
+            if inc is not None:
+                self._contained("report", inc.local_id, now, self._report, f.request_id, inc, f)
+
+    def _report(self, rid: str, inc: IncomingHandoff, f: Finished) -> None:
+        """The engine reported ``rid`` (``finished_recving``): tell vLLM, once."""
+        if not f.ok and not inc.gave_up:
+            self._count(kstats.failure_key("reads_refused", _VERDICT_CLASS.get(f.verdict, "failed")))
+            log.error("vllm.worker.read_refused", request_id=rid, local_request_id=inc.local_id,
+                      verdict=f.verdict.value, error=f.reason)
+        if inc.read_entry:
+            if not f.ok or inc.gave_up:
+                self._report_failed.add(inc.local_id)
+            self._report_recving.add(inc.local_id)
+        self._forget(inc.local_id)
 
     # ---- containment: one request's error fails that request only ---------
 
@@ -507,10 +467,10 @@ class ConsumerHalf:
     def _give_up(self, local_id: str, reason: str, now: float) -> None:
         """Fail one request after an unexpected error, without touching any other.
 
-        Logged once.  What the fold allows decides the rest: a request that
-        posted no read is rejected (or cancelled) and P released notify-only;
-        one with READs in flight has them failed and is reported when they
-        drain (its pages stay held until then); vLLM hears of it once.
+        Logged once.  The engine decides the rest (`ConsumerEngine.give_up`): a
+        request that posted no read is rejected and P released notify-only; one
+        with READs in flight has them failed and is reported when they drain
+        (its pages stay held until then); vLLM hears of it once.
         """
         inc = self._incoming.get(local_id)
         if inc is None:
@@ -531,19 +491,15 @@ class ConsumerHalf:
             inc.parked = False
         self._count("rejected")
         self._count("rejected_internal_error")
-        rid = inc.remote.request_id if inc.admitted and inc.remote else None
-        rec = self._rec(rid) if rid else None
+        rid = self._rid_of(local_id)
         try:
-            state = rec.state if isinstance(rec, ConsumerRecord) else None
-            if state in (DState.ADMITTED, DState.VALIDATED):  # no READ posted yet
-                self._record(Rejected, rid, now, reason=reason[:500])
-                self._release(rid, now, notify_only=True)
-            elif state in (DState.READING, DState.CANCELLED_READING) and not inc.timed_out:
-                # Its READs only drain now (``splits_failed``); _d_report reports it.
-                for split, done in enumerate(rec.split_done):
-                    if done is None:
-                        self._record(SplitFailed, rid, now, split=split, reason=reason[:500])
-                return
+            if rid is not None:
+                rec = self._rec(rid)
+                reading = isinstance(rec, ConsumerRecord) and rec.state in (
+                    DState.READING, DState.CANCELLED_READING)
+                self._carry_out(self.consumer.give_up(rid, now, reason), now)
+                if reading:
+                    return  # reported (failed) by the engine when its READs drained
         except Exception as exc:  # the fold stays as it was; vLLM still hears below
             log.error("vllm.worker.give_up_incomplete", local_request_id=local_id,
                       error=f"{type(exc).__name__}: {exc}")
@@ -557,10 +513,11 @@ class ConsumerHalf:
 
         The fold is left as it is (recording is what may be failing).  Once
         no READ is in flight, vLLM hears ``failed_recving`` for it once (when
-        it waits for one) and D forgets it: its heartbeats stop, so P frees
-        its blocks when the lease lapses.  Until then it keeps its heartbeat
-        and D keeps its pages: a READ in flight never loses its lease.
-        Called again each step (`_d_drain`) until its READs drain.
+        it waits for one) and the engine stops acting for it (`abandon`): its
+        heartbeats stop, so P frees its blocks when the lease lapses.  Until
+        then it keeps its heartbeat and D keeps its pages: a READ in flight
+        never loses its lease.  Called again each step (`_d_drain`) until its
+        READs drain.
         """
         if inc.in_flight(now):
             return
@@ -571,6 +528,9 @@ class ConsumerHalf:
         log.error("vllm.worker.request_ended", local_request_id=local_id,
                   request_id=inc.remote.request_id if inc.remote else None,
                   errors_after_give_up=inc.repeats, error=inc.error)
+        rid = self._rid_of(local_id)
+        if rid is not None:
+            self.consumer.abandon(rid)
         self._forget(local_id)
 
     def _local_of(self, handle: int) -> IncomingHandoff | None:
@@ -593,7 +553,7 @@ class ConsumerHalf:
             inc.held.append((inc.posted_at + delay, c.handle, c.ok, c.reason))
 
     def _d_drain(self, now: float) -> None:
-        """Record the completions that are due (`_drain`), request by request."""
+        """Hand the completions that are due to the engine (`_drain`), request by request."""
         for inc in list(self._incoming.values()):
             if inc.repeats:  # ended for good: only waits for its READs to drain
                 self._end_for_good(inc, now)
@@ -601,7 +561,7 @@ class ConsumerHalf:
                 self._contained("completion", inc.local_id, now, self._drain, inc, now)
 
     def _drain(self, inc: IncomingHandoff, now: float) -> None:
-        """Record the READ completions of one request that are due (see debug_read_delay_s)."""
+        """Hand one request's due READ completions to the engine (see debug_read_delay_s)."""
         rid = inc.remote.request_id if inc.remote else ""
         keep = []
         for due, handle, ok, reason in inc.held:
@@ -609,125 +569,22 @@ class ConsumerHalf:
                 keep.append((due, handle, ok, reason))
                 continue
             split = inc.handles.pop(handle)
-            if inc.splits_failed:
-                continue  # already failed (timeout or give-up); the bytes drained now
-            if ok:
-                self._record(SplitCompleted, rid, now, split=split)
-                self._count("reads_completed")
+            if self.consumer.split_done(rid, split, now, ok, reason) and ok:
                 self._count("bytes_read", inc.split_bytes[split])
                 for bucket in (self.stats, self.total):
                     bucket["read_s"].append(now - inc.posted_at)
                     bucket["read_bytes"].append(inc.split_bytes[split])
-                self._urgent.add(self._dial_address(inc.remote))
-            else:
-                self._record(SplitFailed, rid, now, split=split, reason=reason or "read failed")
-                self._count("reads_failed")
         inc.held = keep
-        rec = self._rec(rid)
-        if (inc.handles and not inc.splits_failed and isinstance(rec, ConsumerRecord)
-                and now > read_deadline(rec, self.cfg.read_timeout_s)):
-            inc.timed_out = True
-            # NIXL cannot cancel a READ: its pages (and P's lease) stay held
-            # until the transfer drains or errors.
-            waited = now - inc.posted_at
-            log.warning("vllm.worker.read_timeout", request_id=rid, waited_s=round(waited, 3),
-                        timeout_s=self.cfg.read_timeout_s, lease_s=rec.lease_s,
-                        splits_in_flight=len(inc.handles))
-            for split in sorted(set(inc.handles.values())):
-                self._record(SplitFailed, rid, now, split=split,
-                             reason=f"read timeout after {waited:.1f}s (read_timeout_s "
-                                    f"{self.cfg.read_timeout_s}, lease_s {rec.lease_s} "
-                                    f"without word from P)")
-            self._count("reads_failed")
 
     def _d_notifs(self, now: float) -> None:
         for peer, msg in self._notifications():
-            if not isinstance(msg, messages.HeartbeatAck):
-                self._count("notifications_ignored")
-                continue
-            self._count("acks_received")
-            for rid, left in sorted(msg.time_left.items()):
-                rec = self._rec(rid)
-                # Only the P agent this request reads from may vouch for its lease.
-                if (isinstance(rec, ConsumerRecord) and rec.remote_engine == msg.engine
-                        and peer == self._producer_agent(rid)):
-                    self._record(LeaseAcknowledged, rid, now, p_rank=msg.rank,
-                                 sent_at=msg.sent_at, time_left=left)
-                else:
-                    self._count("notifications_ignored")
+            self.consumer.on_notification(peer, msg, now)
 
-    def _address_of(self, rid: str) -> tuple[str, int] | None:
-        """The side-channel address of the P rank this request reads from."""
-        inc = self._incoming.get(self._by_remote.get(rid, ""))
-        if inc is None or inc.remote is None:
-            return None
-        return self._dial_address(inc.remote)
+    def _d_engine(self, now: float) -> None:
+        """The engine's turn: READ deadlines, reports, heartbeats; then what vLLM must hear.
 
-    def _producer_agent(self, rid: str) -> str | None:
-        link = self._peers.get(self._address_of(rid) or ("", 0))
-        return link.agent if link is not None else None
-
-    def _awaiting_word(self) -> set[tuple[str, int]]:
-        """P ranks owing an answer: a request's reads drained, the verdict still PENDING."""
-        keys = (self._address_of(rid) for rid in awaiting_proof(self.state, self.stream))
-        return {key for key in keys if key is not None}
-
-    def _d_heartbeats(self, now: float) -> None:
-        """One heartbeat per P rank (side-channel address) with every request due there."""
-        waiting = self._awaiting_word() if self._urgent or self._reasked else set()
-        self._reasked &= waiting
-        groups: dict[tuple[str, int], list[str]] = {}
-        for rids in heartbeat_due(self.state, self.stream).values():
-            for rid in rids:
-                key = self._address_of(rid)
-                if key is not None:
-                    groups.setdefault(key, []).append(rid)
-        for key, rids in sorted(groups.items()):
-            since = now - self._last_hb.get(key, -math.inf)
-            # P's leases (from the params) set the pace as much as D's own setting.
-            period = heartbeat_period(self.cfg.heartbeat_interval_s,
-                                      (self._rec(r).lease_s for r in rids))
-            due = since >= period
-            fresh = any(r in self._fresh for r in rids)
-            # Reads drained but unconfirmed: ask at once, then every quarter
-            # period (an acknowledgement can be lost like any notification).
-            urgent = key in waiting and since >= (period / 4 if key in self._reasked else 0.005)
-            if not (due or fresh or urgent):
-                continue
-            peer = self._peers.get(key)
-            if peer is None:
-                continue
-            ordered = tuple(sorted(rids))
-            tokens = tuple(self._token_of(r) for r in ordered)
-            hb = messages.Heartbeat(self.engine_id, self.rank, now, ordered,
-                                    tokens if any(tokens) else ())
-            try:
-                self.transport.send_notif(peer.agent, messages.encode(hb))
-            except Exception as exc:
-                log.warning("vllm.worker.heartbeat_failed", producer=peer.engine_id,
-                            error=str(exc))
-                continue
-            self._last_hb[key] = now
-            if urgent:
-                self._reasked.add(key)
-            self._urgent.discard(key)
-            self._count("heartbeats_sent")
-            if any(rid not in self._fresh and now - self._rec(rid).last_heartbeat > 2 * period
-                   for rid in ordered):
-                self._count("heartbeats_sent_late")  # stats.COUNTERS says what "late" is
-            for rid in ordered:
-                self._record(HeartbeatSent, rid, now)
-                self._fresh.discard(rid)
-
-    def _token_of(self, rid: str) -> str:
-        inc = self._incoming.get(self._by_remote.get(rid, ""))
-        return inc.remote.token if inc is not None and inc.remote is not None else ""
-
-    def _d_report(self, now: float) -> None:
-        """Move what vLLM must hear into ``_report_recving`` / ``_report_failed``.
-
-        `finish_step` empties those sets only when it returns them: an error
-        in a later stage never loses a report.
+        `finish_step` empties the report sets only when it returns them: an
+        error in a later stage never loses a report.
         """
         while self._fail_now:
             local_id = self._fail_now[0]
@@ -735,42 +592,4 @@ class ConsumerHalf:
             self._report_failed.add(local_id)
             self._fail_now.pop(0)
             self._forget(local_id)
-        due = list(reads_to_report(self.state, self.stream))
-        for inc in self._incoming.values():
-            # Reads drained but no acknowledgement proves P still held the
-            # source: a cancelled request's bytes go nowhere, so it reports at
-            # once; otherwise, past the read timeout (P silent or gone) the
-            # verdict stays unproven and the request fails instead of waiting.
-            rec = (self._rec(inc.remote.request_id)
-                   if inc.admitted and inc.remote and not inc.repeats else None)
-            if (isinstance(rec, ConsumerRecord) and not inc.handles and inc.posted_at
-                    and rec.state in (DState.READING, DState.CANCELLED_READING)
-                    and rec.drained
-                    and (rec.state is DState.CANCELLED_READING
-                         or now > read_deadline(rec, self.cfg.read_timeout_s))
-                    and inc.remote.request_id not in due):
-                due.append(inc.remote.request_id)
-        for rid in due:
-            local_id = self._by_remote.get(rid)
-            inc = self._incoming.get(local_id or "")
-            if inc is None or inc.handles or inc.repeats:
-                continue  # a timed-out READ still owns D's pages: wait for it to drain
-            self._contained("report", inc.local_id, now, self._report, rid, inc, now)
-
-    def _report(self, rid: str, inc: IncomingHandoff, now: float) -> None:
-        verdict = read_verdict_of(self._rec(rid))
-        self._record(FinishedRecving, rid, now)
-        rec = self._rec(rid)
-        ok = rec.state is DState.RECEIVED
-        if not ok and not inc.gave_up:
-            self._count(kstats.failure_key("reads_refused", _VERDICT_CLASS.get(verdict, "failed")))
-            log.error("vllm.worker.read_refused", request_id=rid, local_request_id=inc.local_id,
-                      verdict=verdict.value, error=rec.failed or _REFUSED_BECAUSE.get(
-                          verdict, "the reads brought nothing D may serve"))
-        self._release(rid, now, notify_only=not ok)
-        if inc.read_entry:
-            if not ok or inc.gave_up:
-                self._report_failed.add(inc.local_id)
-            self._report_recving.add(inc.local_id)
-        self._forget(inc.local_id)
-
+        self._carry_out(self.consumer.poll(now), now)

@@ -9,20 +9,18 @@ log it writes.  The adapter here translates between vLLM, the transport and
 that fold:
 
 * P (producer): the scheduler's plan says a prefill started, finished
-  (``Export`` → ``Exported`` with a lease) or was aborted.  A notification
-  thread answers D's heartbeats (``HeartbeatReceived`` + an acknowledgement
-  carrying `lease_time_left`) and records releases (``ReleaseNotified``);
-  each engine step reaps `expired_leases` and frees what `to_free` names,
-  reporting those requests to vLLM in ``finished_sending`` exactly once.
+  (``Export``) or was aborted; `core.producer.ProducerEngine` pins the
+  export under a lease.  A notification thread hands it D's heartbeats and
+  releases and sends the acknowledgements it returns; each engine step polls
+  it for what to free, reported to vLLM in ``finished_sending`` exactly once.
 * D (consumer): a request is admitted when it arrives (after a handshake
   with its P rank and identity checks), validated against P's geometry,
-  and read when vLLM has allocated its blocks.  `heartbeat_due` names what to
-  heartbeat; P's acknowledgements become ``LeaseAcknowledged``; a request is
-  reported in ``finished_recving`` once `reads_to_report` says its reads
-  drained with a verdict, after which D releases P (a notify-only release
-  when no read carried the data).  A client cancel with reads in flight keeps
-  heartbeating until then: vLLM keeps D's destination blocks too, because
-  the scheduler half answered ``delay_free`` for it.
+  and read when vLLM has allocated its blocks; `core.consumer.ConsumerEngine`
+  decides what to heartbeat and when, when a READ or P's word is given up,
+  what is reported in ``finished_recving`` and what P is told to release.  A
+  client cancel with reads in flight keeps heartbeating until they drained:
+  vLLM keeps D's destination blocks too, because the scheduler half answered
+  ``delay_free`` for it.
 
 All ledger and transport calls go through one lock: the notification thread
 and the engine thread share both.  Time is ``time.monotonic()`` here, passed
@@ -57,14 +55,13 @@ from kvhandoff.adapters.vllm.side_channel import SideChannelServer
 from kvhandoff.adapters.vllm.transport import make_transport
 from kvhandoff.adapters.vllm.trust import TrustedProducers
 from kvhandoff.core import messages
+from kvhandoff.core.consumer import ConsumerEngine
 from kvhandoff.core.errors import LifecycleError, MalformedMessage
-from kvhandoff.core.events import Forgotten, Side, Stream
+from kvhandoff.core.events import Side, Stream
 from kvhandoff.core.groups import CacheLayout
-from kvhandoff.core.ledger import Ledger
 from kvhandoff.core.lifecycle import LifecycleState
 from kvhandoff.core.log import LogWriter
 from kvhandoff.core.planning import prefill_backoff
-from kvhandoff.core.policy import to_forget
 from kvhandoff.core.producer import ProducerEngine
 from kvhandoff.transports.base import RegionMismatch
 from kvhandoff.transports.caches import kv_regions
@@ -101,11 +98,13 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self.log_degraded = False
         self.state = LifecycleState()
         self._last_prune = 0.0
-        # P's decisions are its engine's; D's still live in the consumer half.
+        # Every lifecycle decision is the side's engine's; this worker is its I/O.
         self.producer = (ProducerEngine(self.stream, cfg.lease_s, self.state, sink=self.writer)
                          if side is Side.P else None)
-        self.ledger = (self.producer.ledger if self.producer is not None
-                       else Ledger(self.stream, self.state, sink=self.writer))
+        self.consumer = (ConsumerEngine(self.stream, cfg.timing, self.state, sink=self.writer)
+                         if side is Side.D else None)
+        self.engine = self.producer or self.consumer
+        self.ledger = self.engine.ledger
         self._engine_counts_seen: Counter[str] = Counter()
         self.lock = threading.RLock()
         self.compat = dict(compat)
@@ -131,10 +130,6 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self._fail_now: list[str] = []  # local ids to report failed this step
         self._report_recving: set[str] = set()  # finished_recving, vLLM not told yet
         self._report_failed: set[str] = set()  # of those, failed
-        self._last_hb: dict[tuple[str, int], float] = {}  # per P rank address
-        self._fresh: set[str] = set()  # admitted, not heartbeated yet
-        self._urgent: set[tuple[str, int]] = set()  # P ranks whose ack we need now
-        self._reasked: set[tuple[str, int]] = set()  # P ranks asked again for an overdue ack
         log.info("vllm.worker.started", engine=engine_id, side=side.value, rank=rank,
                  event_log=self.log_path)
 
@@ -172,11 +167,10 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
 
     def take_stats(self) -> dict[str, Any]:
         with self.lock:
-            if self.producer is not None:
-                gained = self.producer.counts - self._engine_counts_seen
-                self._engine_counts_seen = self.producer.counts.copy()
-                for key, n in gained.items():
-                    self._count(key, n)
+            gained = self.engine.counts - self._engine_counts_seen
+            self._engine_counts_seen = self.engine.counts.copy()
+            for key, n in gained.items():
+                self._count(key, n)
             out, self.stats = self.stats, kstats.empty()
             ss = self.state.streams.get(self.stream)
             ignored = sum(ss.ignored.values()) if ss else 0
@@ -253,18 +247,14 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         request's lease if longer than this engine's), each a `Forgotten` event in the log.
 
         Until then late notifications get precise answers and, on D, the
-        request's transfer parameters stay single-use (`_known`) for as long
+        request's transfer parameters stay single-use (`check_unused`) for as long
         as P may still hold its blocks; after it a re-use is a new request,
         in the live fold and in the replayed one alike.  Checked once a lease.
         """
         if now - self._last_prune < self.cfg.lease_s:
             return
         self._last_prune = now
-        if self.side is Side.P:
-            self.producer.forget(now)
-            return
-        for rid in to_forget(self.state, self.stream, now, self.cfg.lease_s):
-            self._record(Forgotten, rid, now)
+        self.engine.forget(now)
 
     # ---- the two per-step entry points ------------------------------------
 
@@ -280,7 +270,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
                 self._stage("lost_producers", self._drop_lost_producers)
                 self._stage("handshakes", self._finish_handshakes, now)
                 self._stage("plan", self._d_plan, plan, now)
-                self._stage("heartbeats", self._d_heartbeats, now)
+                self._stage("engine", self._d_engine, now)
             self._flush_log()
 
     def finish_step(self) -> tuple[set[str], set[str], set[str]]:
@@ -302,8 +292,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
                 now = max(now, time.monotonic())
                 self._stage("drain", self._d_drain, now)
                 self._stage("notifications", self._d_notifs, now)
-                self._stage("heartbeats", self._d_heartbeats, now)
-                self._stage("report", self._d_report, now)
+                self._stage("engine", self._d_engine, now)
             self._flush_log()
             sending, self._report_sending = self._report_sending, set()
             recving, self._report_recving = self._report_recving, set()

@@ -1,0 +1,224 @@
+"""D's engine as a specification: inputs in, effects out, no I/O and no clock.
+
+`core.consumer.ConsumerEngine` is what the vLLM connector's D worker and the
+simulator's D (one per rank) both drive; these tests feed it directly (time is
+an argument) and check what it returns and what its event log says against
+the rules of docs/lifecycle.md, not against its own code.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvhandoff.core.consumer import ConsumerEngine, ParamsReused, RequestIdCollision
+from kvhandoff.core.events import Side, Stream
+from kvhandoff.core.lifecycle import DState, Verdict
+from kvhandoff.core.messages import HeartbeatAck, Release
+from kvhandoff.core.policy import TimingConfig
+from kvhandoff.core.replay import replay
+
+D0 = Stream("decode-0", Side.D, 0)
+P_AGENT = "prefill-0-agent-r0"
+TIMING = TimingConfig(lease_s=12.0, heartbeat_interval_s=2.0, lease_margin_s=0.5,
+                      read_timeout_s=20.0)
+
+
+@pytest.fixture
+def engine():
+    log: list = []
+    e = ConsumerEngine(D0, TIMING, sink=log.append)
+    e.log = log
+    return e
+
+
+def _admit(e: ConsumerEngine, rid="r1", t=0.0, lease=12.0, token="tok", peer=P_AGENT):
+    assert not e.check_unused(rid, "prefill-0")
+    assert e.admit(rid, t, peer=peer, remote_engine="prefill-0", remote_ranks=(0,),
+                   num_blocks=4, lease_s=lease, token=token, local_id=f"local-{rid}")
+
+
+def _reading(e: ConsumerEngine, rid="r1", t=0.0, splits=1):
+    _admit(e, rid, t)
+    assert e.validated(rid, t)
+    assert e.reads_posted(rid, t, (0,) * splits)
+
+
+def _ack(t_sent: float, left: float, *rids: str, rank=0) -> HeartbeatAck:
+    return HeartbeatAck("prefill-0", rank, t_sent, dict.fromkeys(rids or ("r1",), left))
+
+
+def _beat(e: ConsumerEngine, now: float):
+    """Poll and send every planned heartbeat; return the step."""
+    step = e.poll(now)
+    for peer, hb, urgent in step.heartbeats:
+        e.heartbeat_sent(peer, hb, now, urgent)
+    return step
+
+
+def _state(e, rid="r1"):
+    rec = e.state.record(D0, rid)
+    return rec.state if rec is not None else None
+
+
+def test_a_new_request_is_heartbeated_at_once_with_its_token(engine):
+    _admit(engine)
+    (peer, hb, _), = _beat(engine, 0.1).heartbeats
+    assert peer == P_AGENT and hb.request_ids == ("r1",) and hb.tokens == ("tok",)
+    assert hb.engine == "decode-0" and hb.rank == 0 and hb.sent_at == 0.1
+    assert _beat(engine, 0.2).heartbeats == []  # not again before the period
+    assert [p for p, *_ in _beat(engine, 0.1 + 2.0).heartbeats] == [P_AGENT]
+
+
+def test_the_period_is_a_sixth_of_p_s_lease_when_that_is_shorter(engine):
+    _admit(engine, lease=3.0)  # P grants 3 s: every 0.5 s, not D's 2 s
+    _beat(engine, 0.0)
+    assert _beat(engine, 0.49).heartbeats == []
+    assert _beat(engine, 0.5).heartbeats
+
+
+def test_one_heartbeat_per_p_rank_names_every_request_due_there(engine):
+    _admit(engine, "a")
+    _admit(engine, "b")
+    _admit(engine, "c", peer="prefill-0-agent-r1")
+    sent = {peer: hb.request_ids for peer, hb, _ in _beat(engine, 0.0).heartbeats}
+    assert sent == {P_AGENT: ("a", "b"), "prefill-0-agent-r1": ("c",)}
+
+
+def test_confirmed_reads_are_reported_once_then_p_is_released_with_the_token(engine):
+    _reading(engine)
+    _beat(engine, 0.0)
+    engine.on_notification(P_AGENT, _ack(0.0, 12.0), 0.01)
+    assert engine.split_done("r1", 0, 0.5)
+    step = engine.poll(0.5)
+    (f,) = step.finished
+    assert f.request_id == "r1" and f.ok and f.verdict is Verdict.CONFIRMED
+    assert step.releases == [(P_AGENT, Release("r1", "decode-0", 0, "tok"))]
+    assert _state(engine) is DState.DONE
+    assert engine.poll(0.6).finished == []  # exactly once
+    assert replay(engine.log).violations == []
+
+
+def test_reads_that_drained_unproven_ask_p_at_once_then_every_quarter_period(engine):
+    _reading(engine)
+    _beat(engine, 0.0)  # its answer is lost
+    engine.split_done("r1", 0, 0.3)
+    step = _beat(engine, 0.3)
+    assert step.finished == [] and [hb.request_ids for _, hb, u in step.heartbeats if u] == [
+        ("r1",)]
+    assert _beat(engine, 0.3 + 0.49).heartbeats == []
+    assert _beat(engine, 0.3 + 0.5).heartbeats  # a quarter of the 2 s period
+    engine.on_notification(P_AGENT, _ack(0.8, 11.0), 0.81)
+    (f,) = engine.poll(0.82).finished
+    assert f.ok
+
+
+def test_a_cancel_with_reads_in_flight_keeps_heartbeating_until_they_drain(engine):
+    _reading(engine)
+    _beat(engine, 0.0)
+    assert engine.cancel("r1", 1.0).releases == []  # the READ still owns P's blocks
+    for t in (2.0, 4.0, 6.0):
+        assert [hb.request_ids for _, hb, _ in _beat(engine, t).heartbeats] == [("r1",)]
+    engine.split_done("r1", 0, 6.5)
+    step = engine.poll(6.5)
+    (f,) = step.finished  # a cancelled request's bytes go nowhere: no proof needed
+    assert step.releases and _state(engine) is DState.DONE
+    assert _beat(engine, 8.5).heartbeats == []
+
+
+def test_a_cancel_before_any_read_releases_p_at_once(engine):
+    _admit(engine)
+    engine.validated("r1", 0.0)
+    step = engine.cancel("r1", 0.5)
+    assert step.releases == [(P_AGENT, Release("r1", "decode-0", 0, "tok"))]
+    assert _state(engine) is DState.DONE
+
+
+def test_a_read_past_its_deadline_is_failed_but_reported_only_once_it_drained(engine):
+    _reading(engine)
+    _beat(engine, 0.0)
+    engine.on_notification(P_AGENT, _ack(0.0, 12.0), 0.01)
+    # P answers alive every period: the deadline is read_timeout_s (20 s) after posting.
+    for t in range(2, 20, 2):
+        _beat(engine, float(t))
+        engine.on_notification(P_AGENT, _ack(float(t), 12.0), t + 0.01)
+    assert engine.poll(19.9).timed_out == []
+    step = _beat(engine, 20.1)
+    assert step.timed_out == ["r1"] and step.finished == []
+    assert engine.in_flight("r1") == 1
+    # Still heartbeated: the READ moves bytes into D's pages and reads P's blocks.
+    assert [hb.request_ids for _, hb, _ in _beat(engine, 22.1).heartbeats] == [("r1",)]
+    assert not engine.split_done("r1", 0, 25.0)  # drained now; already failed
+    (f,) = engine.poll(25.0).finished
+    assert not f.ok and f.verdict is Verdict.FAILED and "read timeout" in f.reason
+
+
+def test_the_deadline_is_one_lease_after_p_last_vouched(engine):
+    _reading(engine)
+    _beat(engine, 0.0)
+    engine.on_notification(P_AGENT, _ack(0.0, 12.0), 0.01)  # then P goes silent
+    assert engine.poll(12.0).timed_out == []
+    assert engine.poll(12.01).timed_out == ["r1"]
+
+
+def test_an_answer_from_another_agent_proves_nothing(engine):
+    _reading(engine)
+    _beat(engine, 0.0)
+    engine.on_notification("someone-else", _ack(0.0, 12.0), 0.01)
+    engine.split_done("r1", 0, 0.5)
+    assert engine.poll(0.5).finished == []  # still waits for P's own word
+    assert engine.counts["notifications_ignored"] == 1
+
+
+def test_a_released_or_gone_answer_after_the_read_fails_it(engine):
+    _reading(engine)
+    _beat(engine, 0.0)
+    engine.split_done("r1", 0, 0.5)
+    _beat(engine, 0.5)
+    engine.on_notification(P_AGENT, _ack(0.5, -1.0), 0.6)  # P: gone
+    (f,) = engine.poll(0.6).finished
+    assert not f.ok and f.verdict is Verdict.UNSAFE
+
+
+def test_parameters_are_single_use_and_a_collision_is_named(engine):
+    _admit(engine)
+    with pytest.raises(ParamsReused, match="single-use"):
+        engine.check_unused("r1", "prefill-0")
+    assert engine.check_unused("r1", "prefill-0", cleanup=True)  # a clean-up: nothing to do
+    with pytest.raises(RequestIdCollision, match="prefill-9"):
+        engine.check_unused("r1", "prefill-9")
+
+
+def test_a_finished_request_is_forgotten_two_leases_after_it_ended(engine):
+    _admit(engine)
+    engine.validated("r1", 0.0)
+    engine.cancel("r1", 1.0)
+    assert engine.forget(1.0 + 2 * 12.0) == []
+    assert engine.forget(1.0 + 2 * 12.0 + 0.1) == ["r1"]
+    assert not engine.check_unused("r1", "prefill-0")  # a re-use is a new request now
+
+
+def test_give_up_with_reads_in_flight_waits_for_them(engine):
+    _reading(engine, splits=2)
+    engine.split_done("r1", 0, 0.2)
+    assert engine.give_up("r1", 0.3, "driver error").releases == []
+    assert engine.poll(0.4).finished == []  # split 1 still moves bytes
+    engine.split_done("r1", 1, 0.9)
+    (f,) = engine.poll(0.9).finished
+    assert not f.ok
+
+
+def test_due_at_names_the_next_heartbeat_and_the_next_deadline(engine):
+    assert engine.due_at == math.inf  # nothing to do
+    _reading(engine)
+    _beat(engine, 0.0)
+    assert engine.due_at == 2.0  # the next period
+    engine.on_notification(P_AGENT, _ack(0.0, 12.0), 0.0)
+    engine.poll(0.0)
+    assert engine.due_at == 2.0
+
+
+def test_refused_events_are_counted_never_raised(engine):
+    assert not engine.validated("nope", 0.0)
+    assert engine.counts["refused_events"] == 1
