@@ -1,4 +1,5 @@
-"""P answers a heartbeat promptly while another Python thread holds the GIL.
+"""P answers a heartbeat promptly while another Python thread holds the GIL,
+with and without NIXL's progress thread (``KVHANDOFF_NIXL_PROGRESS_THREAD``).
 
 While P holds a delayed free, vLLM's engine loop steps without pause in
 Python; P's notification thread, woken by its timer, then waited CPython's
@@ -30,6 +31,7 @@ from kvhandoff.adapters.vllm.producer import _FastGilSwitch  # noqa: E402
 from kvhandoff.adapters.vllm.worker import HandoffWorker  # noqa: E402
 from kvhandoff.core.events import Side  # noqa: E402
 from kvhandoff.core.log import read_log  # noqa: E402
+from kvhandoff.transports.nixl.agent import PROGRESS_THREAD_ENV, NixlOptions  # noqa: E402
 
 BLOCK, LAYERS, HEADS, HEAD, NUM_BLOCKS = 16, 2, 2, 64, 16
 COMPAT = {"model": "test", "dtype": "torch.float16", "block_size": BLOCK, "num_kv_heads": HEADS,
@@ -69,7 +71,36 @@ def test_the_switch_interval_is_lowered_while_p_runs_and_restored_after_the_last
     assert sys.getswitchinterval() == pytest.approx(before)
 
 
-def test_p_answers_within_a_poll_period_or_so_while_the_gil_is_busy(tmp_path):
+def test_the_progress_thread_default_follows_the_environment(monkeypatch):
+    monkeypatch.delenv(PROGRESS_THREAD_ENV, raising=False)
+    assert NixlOptions().progress_thread
+    monkeypatch.setenv(PROGRESS_THREAD_ENV, "0")
+    assert not NixlOptions().progress_thread
+    assert NixlOptions(progress_thread=True).progress_thread  # an explicit option wins
+    monkeypatch.setenv(PROGRESS_THREAD_ENV, "no")
+    with pytest.raises(ValueError, match=PROGRESS_THREAD_ENV):
+        NixlOptions()
+
+
+def test_an_agent_without_the_progress_thread_starts_no_thread():
+    import os
+
+    from kvhandoff.transports.nixl import NixlTransport
+
+    def threads_started(progress_thread: bool) -> int:
+        before = set(os.listdir("/proc/self/task"))
+        t = NixlTransport(f"thr-{progress_thread}", NixlOptions(progress_thread=progress_thread))
+        started = len(set(os.listdir("/proc/self/task")) - before)
+        t.close()
+        return started
+
+    assert threads_started(False) < threads_started(True)
+
+
+@pytest.mark.parametrize("progress_thread", ["1", "0"])
+def test_p_answers_within_a_poll_period_or_so_while_the_gil_is_busy(tmp_path, monkeypatch,
+                                                                     progress_thread):
+    monkeypatch.setenv(PROGRESS_THREAD_ENV, progress_thread)
     port = _port()
     extra = {"lease_s": LEASE, "log_dir": str(tmp_path), "side_channel_port": port}
     before = sys.getswitchinterval()

@@ -23,6 +23,19 @@ both must be fixed *before* the agent (and with it UCX's context) starts:
   keep the progress thread rather than drive progress only from `poll`:
   the source side of a READ (P) must answer UCX connection set-up and
   notifications even while its engine thread is busy elsewhere.
+
+**Without the progress thread** (``NixlOptions(progress_thread=False)``, or
+``KVHANDOFF_NIXL_PROGRESS_THREAD=0`` in the environment, which sets the
+default): UCX is progressed only by the transport's caller (NIXL's
+``getNotifs`` and transfer checks progress the worker when there is no
+thread).  A notification then reaches the caller in one hop instead of two
+(no progress thread to wake first), which on a CPU-starved host is where a
+heartbeat's round trip went (docs/benchmarks.md, bench vllm co-located), and
+an idle agent costs nothing between calls.  The price: nothing answers UCX
+between the caller's calls, so a READ that needs the source's CPU (UCX's
+``tcp`` between nodes) or a connection set-up waits for the source's next
+call, and messages to an agent that makes no calls queue at their senders.
+Opt-in for that reason.
 """
 
 from __future__ import annotations
@@ -33,7 +46,7 @@ import os
 import threading
 from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -55,13 +68,25 @@ UCX_DEFAULTS: dict[str, tuple[str, str]] = {
 }
 
 
+PROGRESS_THREAD_ENV = "KVHANDOFF_NIXL_PROGRESS_THREAD"  # "0": no progress thread by default
+
+
+def _progress_thread_default() -> bool:
+    raw = os.environ.get(PROGRESS_THREAD_ENV, "1").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"{PROGRESS_THREAD_ENV}: expected 0 or 1, found {raw!r}")
+    return raw == "1"
+
+
 @dataclass(frozen=True, slots=True)
 class NixlOptions:
     """How a `NixlTransport` starts its agent.
 
     ``progress_delay_us``: the progress thread's poll timeout (see module
     docstring); NIXL rounds it up to whole milliseconds; 0 restores NIXL's
-    busy-spin.  ``num_threads``: UCX worker threads that post one transfer's
+    busy-spin.  ``progress_thread``: start NIXL's progress thread (default:
+    yes, unless ``KVHANDOFF_NIXL_PROGRESS_THREAD=0``); without it the caller's
+    calls progress UCX (see module docstring).  ``num_threads``: UCX worker threads that post one transfer's
     descriptors in parallel (0: post from the caller's thread).
     ``ucx_defaults``: set `UCX_DEFAULTS` where the user has not.
     ``telemetry``: NIXL per-transfer telemetry (descriptor counts after
@@ -72,6 +97,7 @@ class NixlOptions:
 
     backends: tuple[str, ...] = ("UCX",)
     progress_delay_us: int = 1000
+    progress_thread: bool = field(default_factory=_progress_thread_default)
     num_threads: int = 0
     ucx_defaults: bool = True
     telemetry: bool = False
@@ -166,7 +192,7 @@ def create_agent(name: str, options: NixlOptions) -> Any:
 
     params = inspect.signature(api.nixl_agent_config).parameters
     kwargs: dict[str, Any] = {
-        "enable_prog_thread": True,
+        "enable_prog_thread": options.progress_thread,
         "backends": list(options.backends),
         "capture_telemetry": options.telemetry,
         "num_threads": options.num_threads,
@@ -185,5 +211,6 @@ def create_agent(name: str, options: NixlOptions) -> Any:
         raise RuntimeError(f"NIXL agent {name!r}: backends {missing} unavailable; "
                            f"plugins found: {agent.get_plugin_list()}")
     log.info("nixl.agent_started", agent=name, backends=list(options.backends),
+             progress_thread=options.progress_thread,
              progress_delay_us=options.progress_delay_us, num_threads=options.num_threads)
     return agent

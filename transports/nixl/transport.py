@@ -3,7 +3,9 @@
 Theory of operation
 -------------------
 * **Agent.**  One NIXL agent per transport, started by `agent.create_agent`
-  (UCX defaults, a progress thread that sleeps when idle).  A transport is
+  (UCX defaults, a progress thread that sleeps when idle, or none:
+  ``NixlOptions(progress_thread=False)``, and then `poll`, `recv_notifs` and
+  the other calls are what progresses UCX).  A transport is
   not thread-safe: drive it from one thread, as an engine's worker loop does.
 * **Registration.**  `register` locates each region's buffer, registers the
   few ranges that cover them (`memory.plan_registrations`: one range per
