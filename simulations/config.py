@@ -114,6 +114,7 @@ class RunConfig:
     crash_d_at: float | None = None
     wrong_peer_releases: float = 0.0  # share of requests a stray decode engine "releases"
     impersonation: float = 0.0  # share of admitted requests an impostor releases as the consumer
+    forged_acks: float = 0.0  # share of requests an impostor "acknowledges" to D as P would
     retries: float = 0.0  # share of finished requests a client retries at a second D engine
 
     # what the scenario is allowed to show under policy kvhandoff

@@ -193,6 +193,16 @@ def _impersonation(cfg: RunConfig, rng: random.Random) -> None:
     _slow_reads(cfg, share=0.5, lo=0.01, hi=0.2)
 
 
+@scenario("forged_acknowledgement",
+          "an impostor sends D acknowledgements naming P's engine and the rank each D rank "
+          "reads (\"alive for a lease\") while P's own answers are being lost: D must take a "
+          "lease answer only from the P rank a request reads, and never serve on a forged one")
+def _forged_ack(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.forged_acks = rng.uniform(0.5, 1.0)
+    cfg.notif_faults = {"ack": NotifFaults(drop=rng.uniform(0.5, 0.8), max_consecutive_drops=4)}
+    _slow_reads(cfg, share=0.3, lo=0.01, hi=0.1)
+
+
 @scenario("retry_after_release",
           "the client retries a finished request at a second decode engine with the same "
           "transfer parameters: that reader READs blocks P released (and may reuse) and must "

@@ -24,7 +24,7 @@ import numpy as np
 
 from kvhandoff.core.lifecycle import PState
 from kvhandoff.core.log import encode_event
-from kvhandoff.core.messages import Heartbeat, Release, encode
+from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Release, encode
 from kvhandoff.simulations import kv
 from kvhandoff.simulations.config import RunConfig
 from kvhandoff.simulations.decode import DecodeEngine
@@ -121,7 +121,7 @@ class World:
                 p_agent.add_peer(d_agent.metadata())
                 self.p.add_consumer(d_agent.name, engine.name, d)
         self.stray = None
-        if self.cfg.wrong_peer_releases or self.cfg.impersonation:
+        if self.cfg.wrong_peer_releases or self.cfg.impersonation or self.cfg.forged_acks:
             # A decode engine that is not the request's consumer (restarted with
             # stale state, or misrouted) and sends releases P must not honour.
             self.stray = self.net.agent("decode-stray.r0")
@@ -130,6 +130,8 @@ class World:
                 self.stray.add_peer(p_agent.metadata())
                 p_agent.add_peer(self.stray.metadata())
             self.p.add_consumer(self.stray.name, "decode-stray", 0)
+            for d_agent in self.d.agents:  # it can reach D too (`_forge_ack`)
+                self.stray.add_peer(d_agent.metadata())
 
     def _plan(self) -> None:
         cfg, rng, clock = self.cfg, self.rng, self.clock
@@ -271,7 +273,24 @@ class World:
             self.stray.send_notif(p_agent.name, encode(Heartbeat(
                 self.d.name, rank * k, self.clock.now, (rid,), (token,))))
 
+    def _forge_ack(self, rid: str) -> None:
+        """An impostor answers D's last heartbeat for ``rid`` as P rank would: "alive for a
+        lease", naming P's engine and the rank each D rank reads.  Only the P rank itself
+        may vouch for its lease: D must ignore it (and the proof ledger never counts it)."""
+        if self.stray is None or self.d.loop.dead:
+            return
+        k = self.cfg.heads_per_p_rank
+        for d, agent in enumerate(self.d.agents):
+            rec = self.d.state.record(self.d.streams[d], rid)
+            if rec is not None:
+                self.stray.send_notif(agent.name, encode(HeartbeatAck(
+                    self.p.name, d // k, rec.last_heartbeat, {rid: self.cfg.lease_s})))
+
     def _phase(self, req: SimRequest, phase: str) -> None:
+        if (phase == "reads_posted" and self.cfg.forged_acks
+                and self.rng.random() < self.cfg.forged_acks):
+            for i in range(5):  # P's own answers are being lost: so may these
+                self.clock.call_at(self.clock.now + 0.0005 * i, self._forge_ack, req.rid)
         if (phase == "admitted" and self.cfg.impersonation
                 and self.rng.random() < self.cfg.impersonation):
             self.clock.call_at(self.clock.now + self.rng.uniform(0.005, 1.0), self._impersonate,
@@ -344,7 +363,8 @@ class World:
             if not d.loop.dead:
                 stuck += len(d.unfinished())
                 leaks += d.pool.used_blocks
-        ignored = p.malformed + sum(d.malformed for d in decoders)
+        ignored = p.malformed + sum(d.malformed + sum(e.counts["notifications_ignored"]
+                                                      for e in d.engines) for d in decoders)
         expiries = 0
         streams = [*p.state.streams.values()]
         for d in decoders:

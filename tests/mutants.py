@@ -3,6 +3,7 @@
     python tests/mutants.py                 # every mutant (make mutants)
     python tests/mutants.py --only drop_peer_binding
     python tests/mutants.py --check         # only check that every mutant still applies
+    python tests/mutants.py --suite sim     # killed by the simulator's searches alone?
 
 Each mutant is a search/replace on one source file: its snippet must occur
 exactly once (a moved or edited rule fails loudly here, and the cheap CI test
@@ -37,13 +38,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The non-vLLM CI suite, quickest first (pytest -x stops at the first failure).
 SUITE = (
     "tests/test_lifecycle.py", "tests/test_policy.py", "tests/test_producer_engine.py",
-    "tests/test_replay.py",
+    "tests/test_consumer_engine.py", "tests/test_replay.py",
     "tests/test_messages.py", "tests/test_event_log.py", "tests/test_lifecycle_model.py",
     "tests/test_transport_sim.py", "tests/test_simulations_hypothesis.py",
     "tests/test_simulations_cli.py", "tests/test_simulations_determinism.py",
     "tests/test_simulations.py", "tests/test_groups.py", "tests/test_simulations_hybrid.py",
 )
 MODEL_TEST = "tests/test_lifecycle_model.py"
+# ``--suite sim``: only the randomized searches (the simulator's scenarios and Hypothesis
+# sweeps), no example test: does the simulator find the bug on its own?
+SIM_SUITE = (
+    "tests/test_simulations_hypothesis.py", "tests/test_simulations.py",
+    "tests/test_simulations_hybrid.py",
+)
 
 
 @dataclass(frozen=True)
@@ -209,7 +216,7 @@ def _pytest(tree: pathlib.Path, files: tuple[str, ...] | list[str], timeout: int
     return False, failed[0] if failed else f"(exit {proc.returncode})"
 
 
-def run(mutants: list[Mutant], timeout: int) -> list[dict]:
+def run(mutants: list[Mutant], timeout: int, suite: tuple[str, ...] = SUITE) -> list[dict]:
     rows = []
     for mutant in mutants:
         with tempfile.TemporaryDirectory(prefix="kvh-mutant-") as tmp:
@@ -217,7 +224,7 @@ def run(mutants: list[Mutant], timeout: int) -> list[dict]:
             mutate(tree, mutant)
             start = time.perf_counter()
             model_passed, model_failure = _pytest(tree, [MODEL_TEST], timeout)
-            suite_passed, suite_failure = _pytest(tree, SUITE, timeout)
+            suite_passed, suite_failure = _pytest(tree, suite, timeout)
             rows.append({"mutant": mutant.name, "what": mutant.what,
                          "model": not model_passed, "suite": not suite_passed,
                          "first_failure": suite_failure or model_failure,
@@ -241,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", action="append", metavar="NAME", help="run only this mutant")
     ap.add_argument("--check", action="store_true", help="only check that every mutant applies")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per pytest run")
+    ap.add_argument("--suite", choices=("ci", "sim"), default="ci",
+                    help="ci: the non-vLLM CI suite; sim: the simulator's searches alone")
     args = ap.parse_args(argv)
     chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
     if args.only and len(chosen) != len(args.only):
@@ -255,9 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         print(f"{len(chosen)} mutants apply")
         return 0
-    print(f"{len(chosen)} mutants, suite: {' '.join(SUITE)} (CI=1), {time.strftime('%Y-%m-%d')}")
+    suite = SUITE if args.suite == "ci" else SIM_SUITE
+    print(f"{len(chosen)} mutants, suite: {' '.join(suite)} (CI=1), {time.strftime('%Y-%m-%d')}")
     print(HEADER, flush=True)
-    rows = run(chosen, args.timeout)
+    rows = run(chosen, args.timeout, suite)
     survived = [r["mutant"] for r in rows if not r["suite"]]
     print(f"\n{len(rows) - len(survived)} of {len(rows)} killed by the suite, "
           f"{sum(r['model'] for r in rows)} by the model test alone"
