@@ -38,19 +38,18 @@ drained READs without waiting for P's word, lets each READ carry its release).
 
 An event the fold refuses is a bug of the driver or a hostile peer: it is
 logged, counted (``counts["refused_events"]``) and leaves the state
-unchanged.  ``counts`` only grows.
+unchanged (`LedgerEngine._record`).  ``counts`` only grows.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 import structlog
 
-from kvhandoff.core.errors import LifecycleError, MalformedMessage
+from kvhandoff.core.errors import MalformedMessage
 from kvhandoff.core.events import (
     Admitted,
     ClientCancelled,
@@ -67,7 +66,7 @@ from kvhandoff.core.events import (
     Stream,
     Validated,
 )
-from kvhandoff.core.ledger import Ledger
+from kvhandoff.core.ledger import LedgerEngine
 from kvhandoff.core.lifecycle import (
     ConsumerRecord,
     DState,
@@ -136,16 +135,15 @@ _UNPROVEN = {
 }
 
 
-class ConsumerEngine:
+class ConsumerEngine(LedgerEngine):
     """One D rank's lifecycle decisions (see the module docstring)."""
+
+    side = "consumer"
 
     def __init__(self, stream: Stream, timing: TimingConfig, state: LifecycleState | None = None,
                  sink: Callable[[Event], None] | None = None) -> None:
-        self.stream = stream
+        super().__init__(stream, state, sink)
         self.timing = timing
-        self.ledger = Ledger(stream, state, sink)
-        self.state = self.ledger.state
-        self.counts: Counter[str] = Counter()
         self._reqs: dict[str, _Request] = {}  # requests this rank still acts for
         self._reading: dict[str, None] = {}  # of those, with READs posted and not reported
         self._fresh: set[str] = set()  # admitted, not heartbeated yet
@@ -277,10 +275,6 @@ class ConsumerEngine:
         """How many of the request's READs still move bytes into D's pages."""
         req = self._reqs.get(rid)
         return len(req.in_flight) if req is not None else 0
-
-    def peer_of(self, rid: str) -> Hashable | None:
-        req = self._reqs.get(rid)
-        return req.peer if req is not None else None
 
     # ---- what arrived -------------------------------------------------------------
 
@@ -430,18 +424,3 @@ class ConsumerEngine:
                 step.releases.append((req.peer, Release(rid, self.stream.engine,
                                                         self.stream.rank, req.token)))
         self._fresh.discard(rid)
-
-    # ---- bookkeeping -----------------------------------------------------------------
-
-    def _rec(self, rid: str) -> ConsumerRecord | None:
-        return self.state.record(self.stream, rid)
-
-    def _record(self, event_type: type[Event], rid: str, t: float, **fields) -> bool:
-        try:
-            self.ledger.record(event_type, rid, t, **fields)
-            return True
-        except LifecycleError as exc:
-            self.counts["refused_events"] += 1
-            log.error("consumer.refused_event", stream=str(self.stream), request_id=rid,
-                      event_kind=event_type.kind, error=str(exc))
-            return False

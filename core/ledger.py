@@ -9,10 +9,16 @@ the event log is the record; structlog is for what needs a human.)
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
+import structlog
+
+from kvhandoff.core.errors import LifecycleError
 from kvhandoff.core.events import Event, Stream
 from kvhandoff.core.lifecycle import LifecycleState, apply
+
+log = structlog.get_logger(__name__)
 
 
 class Ledger:
@@ -33,3 +39,34 @@ class Ledger:
         if self.sink is not None:
             self.sink(event)
         return event
+
+
+class LedgerEngine:
+    """What P's and D's engines share: one stream's ledger, its fold, and counters.
+
+    ``_record`` never raises: an event the fold refuses is a bug of the
+    driver or a hostile peer; it is logged (``<side>.refused_event``), counted
+    (``counts["refused_events"]``) and leaves the state unchanged.
+    """
+
+    side = ""  # "producer" or "consumer": names the log line
+
+    def __init__(self, stream: Stream, state: LifecycleState | None = None,
+                 sink: Callable[[Event], None] | None = None) -> None:
+        self.stream = stream
+        self.ledger = Ledger(stream, state, sink)
+        self.state = self.ledger.state
+        self.counts: Counter[str] = Counter()
+
+    def _rec(self, rid: str):
+        return self.state.record(self.stream, rid)
+
+    def _record(self, event_type: type[Event], rid: str, t: float, **fields) -> bool:
+        try:
+            self.ledger.record(event_type, rid, t, **fields)
+            return True
+        except LifecycleError as exc:
+            self.counts["refused_events"] += 1
+            log.error(f"{self.side}.refused_event", stream=str(self.stream), request_id=rid,
+                      event_kind=event_type.kind, error=str(exc))
+            return False

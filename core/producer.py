@@ -40,13 +40,11 @@ past its deadline, reaped or not yet.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import structlog
 
-from kvhandoff.core.errors import LifecycleError
 from kvhandoff.core.events import (
     Aborted,
     Event,
@@ -59,7 +57,7 @@ from kvhandoff.core.events import (
     ReleaseNotified,
     Stream,
 )
-from kvhandoff.core.ledger import Ledger
+from kvhandoff.core.ledger import LedgerEngine
 from kvhandoff.core.lifecycle import LifecycleState, ProducerRecord, PState
 from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Message, Release
 from kvhandoff.core.policy import expired_leases, lease_time_left, to_forget, to_free
@@ -78,16 +76,15 @@ class ProducerStep:
     expired: list[str] = field(default_factory=list)  # of the freed: their lease ran out
 
 
-class ProducerEngine:
+class ProducerEngine(LedgerEngine):
     """One P rank's lifecycle decisions (see the module docstring)."""
+
+    side = "producer"
 
     def __init__(self, stream: Stream, lease_s: float, state: LifecycleState | None = None,
                  sink: Callable[[Event], None] | None = None) -> None:
-        self.stream = stream
+        super().__init__(stream, state, sink)
         self.lease_s = lease_s
-        self.ledger = Ledger(stream, state, sink)
-        self.state = self.ledger.state
-        self.counts: Counter[str] = Counter()
         self._deferred: list[tuple[float, str, Heartbeat]] = []  # (first seen, sender, ids)
         # Hints that keep ``poll`` from scanning every record of a hot P each step
         # (100,000 live leases: ~30 ms a scan).  The fold still decides: a lease
@@ -225,18 +222,3 @@ class ProducerEngine:
         ss = self.state.streams.get(self.stream)
         return min((r.deadline for r in ss.requests.values() if r.state is PState.EXPORTED),
                    default=float("inf")) if ss is not None else float("inf")
-
-    # ---- bookkeeping -----------------------------------------------------------------
-
-    def _rec(self, rid: str) -> ProducerRecord | None:
-        return self.state.record(self.stream, rid)
-
-    def _record(self, event_type: type[Event], rid: str, t: float, **fields) -> bool:
-        try:
-            self.ledger.record(event_type, rid, t, **fields)
-            return True
-        except LifecycleError as exc:
-            self.counts["refused_events"] += 1
-            log.error("producer.refused_event", stream=str(self.stream), request_id=rid,
-                      event_kind=event_type.kind, error=str(exc))
-            return False

@@ -222,10 +222,10 @@ class DecodeEngine:
                 if len(imp.finished) == len(self.engines):
                     self._conclude(f.request_id, imp)
 
-    def _each(self, call: str, rid: str, now: float) -> None:
+    def _each(self, call: str, rid: str, now: float, *args: str) -> None:
         """Every rank's engine hears the same input (admission-time decisions of the scheduler)."""
         for d, engine in enumerate(self.engines):
-            self._carry_out(d, getattr(engine, call)(rid, now), now)
+            self._carry_out(d, getattr(engine, call)(rid, now, *args), now)
 
     def _cancel(self, req: SimRequest, now: float) -> None:
         rec = self.state.record(self.streams[0], req.rid)
@@ -239,8 +239,7 @@ class DecodeEngine:
 
     def _end_without_reads(self, req: SimRequest, rid: str, call: str, outcome: str,
                            now: float, *reason: str) -> None:
-        for d, engine in enumerate(self.engines):
-            self._carry_out(d, getattr(engine, call)(rid, now, *reason), now)
+        self._each(call, rid, now, *reason)
         self.on_done(req, outcome)
 
     def _admit(self, req: SimRequest, params: TransferParams, now: float) -> None:
