@@ -25,7 +25,10 @@ pytest.importorskip("httpx")
 
 pytestmark = pytest.mark.timeout(900)
 
-PROMPTS, WARMUPS, CANCEL, CANCEL_OUT = 8, 1, 8, 32
+# 256 tokens per cancelling request: the seeded plan closes 3 of 8 streams at tokens
+# 111-155, so D has 100+ tokens left when the close reaches it, however fast it decodes
+# (with 32 tokens D once finished every stream before the closes arrived: CI, 2 cores)
+PROMPTS, WARMUPS, CANCEL, CANCEL_OUT = 8, 1, 8, 256
 ARGS = ["--concurrency", "4", "--num-prompts", str(PROMPTS), "--warmups", str(WARMUPS),
         "--input-len", "128", "--output-len", "8", "--cancel-requests", str(CANCEL),
         "--cancel-output-len", str(CANCEL_OUT), "--cancel-share", "0.5"]
