@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from kvhandoff.core.errors import GeometryMismatch
-from kvhandoff.core.groups import CacheGroup, CacheKind, CacheLayout, GroupMismatch, Reads
+from kvhandoff.core.groups import CacheGroup, CacheKind, CacheLayout, GroupMismatch, Memory, Reads
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +198,7 @@ def export_lengths(layout: CacheLayout, num_tokens: int) -> tuple[int, ...]:
 def plan_group_reads(remote: CacheLayout, local: CacheLayout,
                      remote_ids: Sequence[Sequence[int]], local_ids: Sequence[Sequence[int]],
                      num_tokens: int, rank: int = 0,
-                     null_block: int | None = None) -> GroupReadPlan:
+                     null_block: int | None = None, local_rank: int = 0) -> GroupReadPlan:
     """D's reads of one request from remote rank ``rank``, one per group that needs any.
 
     ``remote_ids`` / ``local_ids`` hold one list per group, as vLLM's block
@@ -212,7 +212,10 @@ def plan_group_reads(remote: CacheLayout, local: CacheLayout,
     not write one local block.  ``null_block`` (vLLM's block 0, the
     placeholder its sliding-window and Mamba managers put where a group holds
     nothing) may stand in the positions a group does not read, never in one
-    it reads.  Errors are `GroupMismatch` naming the group.
+    it reads.  A host pool shared by the local TP ranks (``local.shared_host_pool``,
+    vLLM's HiSparse on D) is read by local rank 0 alone, for every rank: another
+    ``local_rank`` skips the groups in it, as it skips a group it holds already.
+    Errors are `GroupMismatch` naming the group.
     """
     groups = local.groups
     if len(remote.groups) != len(groups):  # the handshake's check_matches refuses this first
@@ -225,7 +228,7 @@ def plan_group_reads(remote: CacheLayout, local: CacheLayout,
     written: dict[str, dict[int, int]] = {}  # local region -> block -> group writing it
     for g, peer_g in zip(groups, remote.groups, strict=True):
         r_ids, l_ids = _read_positions(g, remote_ids[g.index], local_ids[g.index], num_tokens)
-        if not l_ids:
+        if not l_ids or (local_rank and local.shared_host_pool and in_host_pool(g)):
             skipped.append(g.index)
             continue
         r_ids = _checked_ids(g.index, "remote block ids", r_ids, peer_g.num_blocks, null_block)
@@ -243,6 +246,11 @@ def plan_group_reads(remote: CacheLayout, local: CacheLayout,
                                (ReadPart(coalesce(r_ids, l_ids), pairs),),
                                len(l_ids) * g.block_bytes, full * g.block_bytes))
     return GroupReadPlan(rank, tuple(reads), tuple(skipped))
+
+
+def in_host_pool(group: CacheGroup) -> bool:
+    """Whether ``group``'s blocks live in a host pool (HiSparse's source group on D)."""
+    return all(r.memory is Memory.HOST for r in group.regions)
 
 
 def _read_positions(g: CacheGroup, remote: Sequence[int], local: Sequence[int],

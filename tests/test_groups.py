@@ -23,6 +23,7 @@ from kvhandoff.core.groups import (
     CacheRegion,
     GroupMismatch,
     MalformedGroups,
+    Memory,
     TensorPlacement,
     tensor_regions,
 )
@@ -171,6 +172,24 @@ def test_each_group_reads_what_its_kind_needs_and_nothing_else():
     assert main.parts[0].runs == (BlockRun(3, 10, 4), BlockRun(20, 14, 3))
     assert main.parts[0].regions == (("main.kv.0", "main.kv.0"), ("main.kv.1", "main.kv.1"))
     assert plan.nbytes == 7 * 1024 + 7 * 128 + 1024 + 64 + 3 * 1024
+
+
+def test_a_shared_host_pool_is_read_by_local_rank_0_alone():
+    """HiSparse on D with TP 2 and one host pool for both ranks: rank 0 reads the pool's
+    group for every rank; rank 1 reads only its device groups, as vLLM's NixlConnector
+    does (``_leaves_dram_xfer_to_rank0``).  A pool per rank is read by each rank."""
+    host = CacheRegion("sparse", 4096, memory=Memory.HOST)
+    source = CacheGroup(0, CacheKind.FULL_ATTENTION, 64, 4096, (host,))
+    indexer = CacheGroup(1, CacheKind.INDEXER, 64, 512, (CacheRegion("indexer", 512),))
+    shared = CacheLayout((source, indexer), shared_host_pool=True)
+    p_ids, d_ids = [[1, 2], [1, 2]], [[300, 301], [7, 8]]  # P: one vLLM group split in two
+    for rank, groups in ((0, [0, 1]), (1, [1])):
+        plan = plan_group_reads(shared, shared, p_ids, d_ids, 100, rank=rank, local_rank=rank)
+        assert [r.group for r in plan.reads] == groups
+        assert plan.skipped == tuple(sorted({0, 1} - set(groups)))
+    own = replace(shared, shared_host_pool=False)
+    assert [r.group for r in plan_group_reads(own, own, p_ids, d_ids, 100, local_rank=1).reads] \
+        == [0, 1]
 
 
 def test_a_sliding_window_group_reads_the_windows_bytes_not_the_prompts():

@@ -47,7 +47,7 @@ def test_params_round_trip():
     (lambda p: p.update(remote_block_ids=[[1, "2"]]), "remote_block_ids"),
     (lambda p: p.update(remote_block_ids=[[1, 1]]), "duplicate"),
     (lambda p: p.update(remote_block_ids=[[1], 2]), r"remote_block_ids'\]\[1\]: expected a list"),
-    (lambda p: p.update(remote_block_ids=[[1], [2, 1]]), r"\[1\]\[1\]: duplicate block id 1"),
+    (lambda p: p.update(remote_block_ids=[[1], [2, 2]]), r"\[1\]\[1\]: duplicate block id 2"),
     (lambda p: p.update(remote_block_ids=[[]]), "remote_block_ids"),
     (lambda p: p.update(remote_block_ids=[]), "expected 1..64 lists"),
     (lambda p: p.update(remote_block_ids=[[1]] * 65), "expected 1..64 lists"),

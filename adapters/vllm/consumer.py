@@ -373,7 +373,7 @@ class ConsumerHalf:
         try:  # one READ split per cache group that needs one (core.planning)
             plan = plan_group_reads(peer.layout, self.layout, inc.remote.block_ids,
                                     local_block_ids, inc.remote.num_tokens, self.rank,
-                                    null_block=0)
+                                    null_block=0, local_rank=self.rank)
         except GeometryMismatch as exc:
             self.consumer.reads_posted(rid, now, (self.rank,))
             self.consumer.split_done(rid, 0, now, ok=False, reason=str(exc)[:500])

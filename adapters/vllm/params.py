@@ -116,17 +116,21 @@ def parse_remote_prefill(params: Any, max_block_id: int = 1 << 31) -> RemotePref
 
 
 def _block_ids(groups: list, max_block_id: int) -> tuple[tuple[int, ...], ...]:
-    """``remote_block_ids``: one list per KV cache group (NixlConnector's shape)."""
+    """``remote_block_ids``: one list per KV cache group (NixlConnector's shape), each of
+    distinct ids.  Two groups may name one block: a group vLLM plans as one (one block
+    table) that both sides describe as two (a HiSparse pair's ``SPARSE`` and ``INDEXER``
+    layers, `adapters.vllm.layout`) hands the same ids to both; D never writes one local
+    block twice (`core.planning.plan_group_reads` checks its own ids)."""
     field = "kv_transfer_params['remote_block_ids']"
     if not 1 <= len(groups) <= MAX_GROUPS:
         raise MalformedTransferParams(f"{field}: expected 1..{MAX_GROUPS} lists (one per KV "
                                       f"cache group), found {len(groups)}")
     out = []
-    seen: set[int] = set()  # one block pool: a block belongs to one group
     for g, ids in enumerate(groups):
         if not isinstance(ids, list):
             raise MalformedTransferParams(f"{field}[{g}]: expected a list of block ids, found "
                                           f"{type(ids).__name__}")
+        seen: set[int] = set()
         for i, b in enumerate(ids):
             if isinstance(b, bool) or not isinstance(b, int):
                 raise MalformedTransferParams(
@@ -138,7 +142,7 @@ def _block_ids(groups: list, max_block_id: int) -> tuple[tuple[int, ...], ...]:
                 raise MalformedTransferParams(f"{field}[{g}][{i}]: duplicate block id {b}")
             seen.add(b)
         out.append(tuple(ids))
-    if not seen:
+    if not any(out):
         raise MalformedTransferParams(f"{field}: empty")
     return tuple(out)
 
