@@ -73,7 +73,7 @@ class KVRegion:
     """One registered buffer: ``num_blocks`` blocks of ``block_bytes`` each.
 
     ``buffer`` is a numpy array or a torch tensor (host or CUDA) whose bytes
-    are laid out block after block; ``name`` identifies the cache group /
+    are laid out block after block, every ``block_stride`` bytes; ``name`` identifies the cache group /
     layer so peers can pair regions; ``device`` is the CUDA ordinal for VRAM.
     """
 
@@ -83,6 +83,14 @@ class KVRegion:
     block_bytes: int
     kind: MemoryKind = MemoryKind.DRAM
     device: int = 0
+    # Bytes from block b to block b + 1 in ``buffer`` (0: ``block_bytes``, adjacent).  A
+    # larger stride leaves bytes between blocks that the region does not own (a HiSparse
+    # D's indexer pages sit in rows shared with groups never read).
+    stride: int = 0
+
+    @property
+    def block_stride(self) -> int:
+        return self.stride or self.block_bytes
 
 
 @dataclass(frozen=True, slots=True)
