@@ -226,3 +226,36 @@ def test_the_connector_still_refuses_a_host_pool_at_start_up(planned):
     for kvc in (*configs, sched):
         with pytest.raises(UnsupportedTopology, match=r"KV cache group 0: host_resident=True"):
             cache_layout(kvc)
+
+
+@pytest.mark.parametrize("v", VARIANTS, ids=lambda v: v.name)
+def test_d_registers_each_layer_s_blocks_where_vllm_s_views_are(planned, v):
+    """`kv_regions` on vLLM's own HiSparse allocation: the host pool's regions are DRAM
+    views of the pool, the device regions views of the device buffer, and block *b* of
+    every region is the first ``block_bytes`` of row *b* of vLLM's view of that layer
+    (checked by writing through one and reading through the other).  A rank that leaves
+    the shared pool to rank 0 registers its device regions only."""
+    from kvhandoff.transports.base import MemoryKind
+    from kvhandoff.transports.caches import kv_regions
+
+    _, configs, _ = planned[v, True]
+    for rank, kvc in enumerate(configs):
+        views, _, host = _vllm_views(kvc)
+        layout = cache_layout(kvc, host_pools=True)
+        regions = {r.name: r for r in kv_regions(views, layout)}
+        for g in layout.groups:
+            for layer, r in zip(g.layers, g.regions, strict=True):
+                kv = regions[r.name]
+                assert kv.kind is MemoryKind.DRAM and kv.num_blocks == g.num_blocks
+                assert kv.block_stride == _row(views[layer])
+                assert (kv.buffer.untyped_storage().data_ptr() == host) is (g.index == 0)
+                row = views[layer].view(views[layer].shape[0], -1).view(torch.uint8)
+                for b in (0, 1, g.num_blocks - 1):
+                    at = b * kv.block_stride
+                    kv.buffer[at:at + kv.block_bytes] = torch.arange(
+                        kv.block_bytes, dtype=torch.int64).add(b + 7).to(torch.uint8)
+                    assert torch.equal(row[b, :kv.block_bytes], kv.buffer[at:at + kv.block_bytes])
+        shared = kv_regions(views, layout, host_pool=rank == 0 or not layout.shared_host_pool)
+        expect = {r.name for g in layout.groups for r in g.regions
+                  if g.index == 1 or rank == 0 or not layout.shared_host_pool}
+        assert {r.name for r in shared} == expect
