@@ -46,6 +46,8 @@ class SimGroup:
     keys: the compress ratio) and ``tp_replicated`` (the PLE state: every TP
     rank holds the whole state, `kv.copy_rank`) go to the `CacheGroup` as they
     are; ``owner`` labels the group (``main_kv``, ``ring``, ``gdn``...).
+    ``host_pool``: D keeps this group in its host pool (vLLM's HiSparse source group:
+    its regions are `Memory.HOST` in D's layout; P's layout keeps it on the device).
     """
 
     kind: CacheKind
@@ -56,6 +58,7 @@ class SimGroup:
     tokens_per_state: int = 1
     tp_replicated: bool = False
     owner: str = ""
+    host_pool: bool = False
 
 
 @dataclass(slots=True)
@@ -79,6 +82,9 @@ class RunConfig:
     # groups a request is ``tokens_per_request`` tokens and one READ per (rank, group).
     groups: tuple[SimGroup, ...] = ()
     tokens_per_request: tuple[int, int] = (1, 128)
+    # D's local ranks share one host pool (vLLM's ``hisparse_shared_host_pool``): D rank 0
+    # reads the ``host_pool`` groups for every rank, the other ranks read only the rest.
+    shared_host_pool: bool = False
 
     # lifecycle timing
     # (`core.policy.TimingConfig`, by the same names: see ``timing``)
@@ -157,6 +163,8 @@ class RunConfig:
                     raise ValueError(f"group {g}: a window exactly for sliding_window")
                 if g.tp_replicated and not g.kind.reads_state:
                     raise ValueError(f"group {g}: tp_replicated only for a state (slot) kind")
+        if self.shared_host_pool and not any(g.host_pool for g in self.groups):
+            raise ValueError("shared_host_pool: expected a group in the host pool")
         for phase in self.cancel.phases:
             if phase not in PHASES:
                 raise ValueError(f"cancel phase {phase!r}: expected one of {PHASES}")

@@ -14,7 +14,10 @@ A hybrid model's request (``RunConfig.groups``) is one split per (rank,
 cache group) that needs a read: `plan_group_reads` decides which groups read
 what (every block of full attention, the window's blocks of a sliding
 window, the state slot), and a request where no group needs a read is a
-notify-only release.
+notify-only release.  D runs HiSparse where a group is in its host pool
+(`SimGroup.host_pool`); with the pool shared by its ranks
+(``RunConfig.shared_host_pool``) rank 0 alone reads it, so the other ranks
+post fewer splits and report (and release their P rank) without waiting for it.
 
 The model of vLLM 0.32 (``DecodePolicy``) is driver choices on top of the
 same engines: it drops cancelled requests from the heartbeats it sends
@@ -102,7 +105,8 @@ class DecodeEngine:
             self.words.append(words)
             if self.layouts is not None:
                 self.layouts.append(kv.cache_layout(cfg.groups, names, cfg.d_blocks,
-                                                    cfg.block_bytes))
+                                                    cfg.block_bytes, hisparse=True,
+                                                    shared_host_pool=cfg.shared_host_pool))
                 self.remote_layouts.append(kv.cache_layout(cfg.groups, names, p_num_blocks,
                                                            cfg.block_bytes))
         self.state = LifecycleState()  # keeps DONE records: runs are short
@@ -336,13 +340,15 @@ class DecodeEngine:
             imp.rank_open[d] = imp.rank_open.get(d, 0) + 1
 
     def _post_group_reads(self, rid: str, imp: Import, local: list[int], now: float) -> None:
-        """One READ per (D rank, group that needs a read), as `plan_group_reads` plans it."""
+        """One READ per (D rank, group that needs a read), as `plan_group_reads` plans it
+        for rank ``d`` (``local_rank``: a host pool shared by D's ranks is rank 0's to read,
+        so another rank posts no split for its groups)."""
         cfg, k = self.cfg, self.k
         lists = _split(local, imp.group_pages)
         default = self.net.read_faults
         for d in range(len(self.agents)):
             plan = plan_group_reads(self.remote_layouts[d], self.layouts[d], imp.remote_lists,
-                                    lists, imp.params.num_tokens, rank=d // k)
+                                    lists, imp.params.num_tokens, rank=d // k, local_rank=d)
             imp.reads.extend((d, read) for read in plan.reads)
             self.engines[d].reads_posted(rid, now, tuple(read.rank for read in plan.reads),
                                          tuple(read.group for read in plan.reads))

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvhandoff.core.groups import CacheGroup, CacheLayout, CacheRegion
+from kvhandoff.core.groups import CacheGroup, CacheLayout, CacheRegion, Memory
 from kvhandoff.core.planning import blocks_needed
 from kvhandoff.transports.base import KVRegion
 
@@ -87,17 +87,26 @@ def matches(words: np.ndarray, ids: Sequence[int], serial: int, rank: int,
 # --- hybrid models: several cache groups on the same regions --------------------------
 
 
-def cache_layout(groups: Sequence, names: Sequence[str], num_blocks: int,
-                 block_bytes: int) -> CacheLayout:
+def cache_layout(groups: Sequence, names: Sequence[str], num_blocks: int, block_bytes: int,
+                 hisparse: bool = False, shared_host_pool: bool = False) -> CacheLayout:
     """One rank's `CacheLayout`: every group (a `config.SimGroup`) overlaid on the rank's
     regions ``names``, its block ids from one pool of ``num_blocks`` (vLLM's hybrid
-    allocator: one tensor per layer slot, groups apart by block ids)."""
-    regions = tuple(CacheRegion(n, block_bytes) for n in names)
+    allocator: one tensor per layer slot, groups apart by block ids).
+
+    ``hisparse``: the layout of a D running HiSparse, whose ``host_pool`` groups' regions
+    are `Memory.HOST` (and shared by its local ranks with ``shared_host_pool``); without
+    it every group is on the device, as P describes the same groups with HiSparse off.
+    The simulator keeps the host pool's blocks in the rank's one buffer and pool: where
+    the bytes sit is not what it checks, who reads them is."""
+    def regions(g) -> tuple[CacheRegion, ...]:
+        memory = Memory.HOST if hisparse and g.host_pool else Memory.DEVICE
+        return tuple(CacheRegion(n, block_bytes, memory=memory) for n in names)
+
     return CacheLayout(tuple(
-        CacheGroup(i, g.kind, g.block_size, num_blocks, regions, window=g.window,
+        CacheGroup(i, g.kind, g.block_size, num_blocks, regions(g), window=g.window,
                    owner=g.owner or g.kind.value, tokens_per_state=g.tokens_per_state,
                    tp_replicated=g.tp_replicated)
-        for i, g in enumerate(groups)))
+        for i, g in enumerate(groups)), shared_host_pool=hisparse and shared_host_pool)
 
 
 def copy_rank(group: CacheGroup, rank: int) -> int:

@@ -464,3 +464,79 @@ def _qwen4_tp2_ple(cfg: RunConfig, rng: random.Random) -> None:
         fail=rng.uniform(0.0, 0.2), slow=0.7, slow_s=(0.01, 0.5 * cfg.lease_s))})
     cfg.cancel = CancelPlan(rng.uniform(0.1, 0.4), ("admitted", "reads_posted"),
                             (0.0, 0.2 * cfg.lease_s))
+
+
+# --- HiSparse on D: the sparse-attention KV in a host pool (issue #16, docs/hybrid.md) -----
+
+# The groups of `_hisparse`'s layout, in order: the sparse MLA layers' KV (HiSparse's source
+# group, in D's host pool) and the indexer's keys (on D's GPU).
+SPARSE, INDEXER = 0, 1
+HISPARSE_OWNERS = ("sparse_mla", "indexer")
+
+
+def _hisparse(cfg: RunConfig, rng: random.Random, shared: bool, **per_owner: dict) -> None:
+    """A DSA model's transfer groups with vLLM 0.32's HiSparse on D, one `SimGroup` per
+    owner, in `HISPARSE_OWNERS` order:
+
+    * ``sparse_mla``: the sparse MLA layers' KV, every prompt block (``FULL_ATTENTION``),
+      in D's host pool (`SimGroup.host_pool`: `Memory.HOST` in D's layout);
+    * ``indexer``: the indexer's keys, block-aligned with the KV (``INDEXER``), on D's GPU.
+
+    P runs HiSparse off and describes the same two groups on the device.  Blocks of 64
+    tokens, prompts of 1-512 tokens: 1-8 blocks per group.  ``shared``: D's local ranks
+    share the host pool (``hisparse_shared_host_pool``), so D rank 0 alone reads it, for
+    every rank.  ``per_owner`` maps an owner name to `SimGroup` fields.
+    """
+    kinds = {"sparse_mla": (CacheKind.FULL_ATTENTION, {"host_pool": True}),
+             "indexer": (CacheKind.INDEXER, {})}
+    cfg.groups = tuple(SimGroup(kind, 64, owner=owner, **fixed, **per_owner.get(owner, {}))
+                       for owner, (kind, fixed) in kinds.items())
+    cfg.tokens_per_request = (1, 512)
+    cfg.shared_host_pool = shared
+    cfg.p_blocks = cfg.d_blocks = 256
+
+
+@scenario("hisparse_slow_host_split",
+          "HiSparse on D (sparse MLA KV in a host pool, indexer on the GPU; the pool shared "
+          "by D's ranks in half the seeds): the host-pool split takes 0.2-2.5 leases, the "
+          "indexer split milliseconds; P holds both until the host split drained")
+def _hisparse_slow_host(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.read_faults = ReadFaults(slow=0.5, slow_s=(0.001, 0.05))
+    _hisparse(cfg, rng, rng.random() < 0.5, sparse_mla={"read_faults": ReadFaults(
+        slow=1.0, slow_s=(0.2 * cfg.lease_s, 2.5 * cfg.lease_s))})
+
+
+@scenario("hisparse_host_split_failure",
+          "HiSparse on D: the host-pool split fails (30-70 %) while the indexer split (up to "
+          "0.5 lease) is in flight: the request fails, P frees once, after every split drained")
+def _hisparse_host_failure(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.read_faults = ReadFaults(slow=0.7, slow_s=(0.01, 0.5 * cfg.lease_s))
+    _hisparse(cfg, rng, rng.random() < 0.5, sparse_mla={"read_faults": ReadFaults(
+        fail=rng.uniform(0.3, 0.7))})
+
+
+@scenario("hisparse_cancel_during_host_read",
+          "HiSparse on D: the client cancels after the indexer READ landed while the "
+          "host-pool READ (1.2-2.5 leases) is in flight (vLLM 0.32 stops heartbeating: P "
+          "frees under the host-pool READ)")
+def _hisparse_cancel_host(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.read_faults = ReadFaults(slow=0.5, slow_s=(0.001, 0.05))
+    _hisparse(cfg, rng, rng.random() < 0.5, sparse_mla={"read_faults": ReadFaults(
+        slow=1.0, slow_s=(1.2 * cfg.lease_s, 2.5 * cfg.lease_s))})
+    cfg.cancel = CancelPlan(rng.uniform(0.4, 0.9), ("reads_posted",), (0.1, 0.3 * cfg.lease_s))
+
+
+@scenario("hisparse_tp2_shared_pool",
+          "HiSparse on D at TP 2 on both sides with one host pool for D's ranks: D rank 0 "
+          "alone reads it (0.05-1 lease), D rank 1 reads only its indexer split (0-20 % "
+          "fail) and P rank 1 frees after it, never waiting for the host-pool READ")
+def _hisparse_tp2_shared(cfg: RunConfig, rng: random.Random) -> None:
+    """TP 2 → 2, ``hisparse_shared_host_pool``.  What P rank 1 holds of the sparse MLA
+    group is never read (D rank 0 reads P rank 0's: MLA's KV is alike on every rank, which
+    the simulator does not model, so P rank 1's stays unread), and its blocks go back on
+    D rank 1's release, as vLLM's NixlConnector lets rank 1 finish without the DRAM READ
+    (``_leaves_dram_xfer_to_rank0``)."""
+    cfg.tp, cfg.d_tp = 2, None
+    cfg.read_faults = ReadFaults(fail=rng.uniform(0.0, 0.2), slow=0.5, slow_s=(0.001, 0.05))
+    _hisparse(cfg, rng, True, sparse_mla={"read_faults": ReadFaults(
+        slow=1.0, slow_s=(0.05 * cfg.lease_s, 1.0 * cfg.lease_s))})
