@@ -39,8 +39,8 @@ def nixl_host_pair(p_shapes: list[RegionShape], d_shapes: list[RegionShape],
     except BaseException:
         p.close()
         raise
-    p_rows = [p.shared_array((s.num_blocks, s.block_bytes)) for s in p_shapes]
-    p_regions = [KVRegion(s.name, r, s.num_blocks, s.block_bytes)
+    p_rows = [p.shared_array((s.num_blocks, s.block_stride)) for s in p_shapes]
+    p_regions = [KVRegion(s.name, r, s.num_blocks, s.block_bytes, stride=s.stride)
                  for s, r in zip(p_shapes, p_rows, strict=True)]
     d_regions, d_rows = host_shaped_regions(d_shapes)
 

@@ -27,6 +27,7 @@ from conftest import wait_for  # noqa: E402
 from kvhandoff.core.planning import BlockRun, coalesce  # noqa: E402
 from kvhandoff.transports.base import (  # noqa: E402
     KVRegion,
+    MemoryKind,
     PeerNotReady,
     ReadRequest,
     RegionMismatch,
@@ -287,29 +288,69 @@ def test_cuda_ipc_handles_survive_the_trip_through_metadata_bytes():
     assert handle_to_hex(handle_from_hex(raw.hex())) == raw.hex()
 
 
-@pytest.mark.parametrize("gap", [0, 64, 3])  # 3: regions off the block grid
-def test_cuda_ipc_gather_jobs_copy_exactly_what_the_pairs_say(gap):
+@pytest.mark.parametrize(("gap", "strides"), [(0, (0, 0)), (64, (0, 0)), (3, (0, 0)),
+                                               (0, (96, 0)), (0, (0, 128)), (5, (96, 192))])
+def test_cuda_ipc_gather_jobs_copy_exactly_what_the_pairs_say(gap, strides):
+    """gap: bytes between regions (3: off the row grid); strides: (source, destination)
+    bytes from block to block, 0 adjacent; the bytes between strided blocks never move."""
+    from numpy.lib.stride_tricks import as_strided
+
     from kvhandoff.transports.nixl.cuda_ipc import GatherPair, plan_jobs
 
     rng = np.random.default_rng(gap)
     nb, bb, regions = 8, 64, 5
-    src_mem = rng.integers(1, 256, regions * (nb * bb + gap) + bb, dtype=np.uint8)
+    sp, dp = (s or bb for s in strides)
+    size = nb * max(sp, dp) + gap
+    src_mem = rng.integers(1, 256, regions * size + 8 * bb, dtype=np.uint8)
     dst_mem = np.zeros_like(src_mem)
     # memory "addresses" are offsets into src_mem / dst_mem
-    pairs = [GatherPair(r * (nb * bb + gap), 7 * bb + r * (nb * bb + gap), nb, nb, bb)
+    pairs = [GatherPair(r * size, 7 * bb + r * size, nb, nb, bb, *strides)
              for r in range(regions - 1)]
-    remote, local = np.array([5, 0, 3]), np.array([1, 2, 6])
+    remote, local = np.array([5, 0, 3, 7]), np.array([1, 2, 6, 7])
     jobs = plan_jobs(pairs, remote, local)
-    assert len(jobs) == (1 if gap % bb == 0 else len(pairs))
+    assert len(jobs) == (1 if size % sp == 0 and size % dp == 0 else len(pairs))
+
+    def rows(mem, ptr, n, pitch):
+        return as_strided(mem[ptr:ptr + (n - 1) * pitch + bb], (n, bb), (pitch, 1))
+
     for job in jobs:  # what the kernel does, in numpy
-        src = src_mem[job.src:job.src + job.src_rows * bb].reshape(job.src_rows, bb)
-        dst = dst_mem[job.dst:job.dst + job.dst_rows * bb].reshape(job.dst_rows, bb)
-        dst[job.local] = src[job.remote]
+        dst = rows(dst_mem, job.dst, job.dst_rows, job.dst_pitch)
+        dst[job.local] = rows(src_mem, job.src, job.src_rows, job.src_pitch)[job.remote]
     want = np.zeros_like(dst_mem)
     for p in pairs:
         for r, lo in zip(remote, local, strict=True):
-            want[p.dst + lo * bb:p.dst + (lo + 1) * bb] = src_mem[p.src + r * bb:p.src + (r + 1) * bb]
+            want[p.dst + lo * dp:p.dst + lo * dp + bb] = src_mem[p.src + r * sp:p.src + r * sp + bb]
     assert np.array_equal(dst_mem, want)
+
+
+def test_strides_travel_in_the_metadata_and_old_six_column_rows_still_read():
+    from kvhandoff.transports.nixl import wire
+    from kvhandoff.transports.nixl.memory import Placement, descriptor_rows, span_rows
+
+    DRAM = MemoryKind.DRAM
+    placed = [Placement("idx", DRAM, 0, 4096, 128, 10, ("DRAM", 0, 4096), 640),
+              Placement("kv", DRAM, 0, 1 << 20, 256, 4, ("DRAM", 0, 1 << 20))]
+    meta = wire.decode(wire.encode("P", "i", 1, placed, b"nixl"))
+    assert [(r.name, r.block_bytes, r.num_blocks, r.stride) for r in meta.regions] == \
+        [("idx", 128, 10, 640), ("kv", 256, 4, 0)]
+    assert placed[0].nbytes == 9 * 640 + 128 and placed[1].nbytes == 1024
+    assert descriptor_rows(placed)[:, 3].tolist() == [640, 256]
+    assert span_rows(placed)[:, 1].tolist() == [9 * 640 + 128, 1024]
+    import orjson
+
+    header = orjson.dumps({"agent": "P", "instance": "i", "generation": 1,
+                           "regions": [["kv", "DRAM", 0, 64, 256, 4]]})
+    old = wire.decode(wire.MAGIC + wire._LEN.pack(len(header)) + header)
+    assert old.regions[0].stride == 0
+
+
+def test_locate_refuses_overlapping_strides_and_buffers_short_of_the_last_block():
+    buf = np.zeros(9 * 640 + 128, np.uint8)
+    assert locate(KVRegion("idx", buf, 10, 128, stride=640)).nbytes == buf.size
+    with pytest.raises(RegionMismatch, match="stride 640"):
+        locate(KVRegion("idx", buf[:-1], 10, 128, stride=640))
+    with pytest.raises(RegionMismatch, match="overlap"):
+        locate(KVRegion("idx", buf, 10, 128, stride=64))
 
 
 def test_ucx_defaults_are_set_unless_the_user_set_them():

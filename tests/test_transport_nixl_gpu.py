@@ -64,17 +64,27 @@ def _tag() -> str:
     return str(time.monotonic_ns() % 10**9)
 
 
+def host_zeros(shape: tuple[int, ...]):
+    """Pinned host memory, as D's HiSparse host pool is (plain host memory in a dry run)."""
+    return torch.zeros(shape, dtype=torch.uint8, pin_memory=not DRY_RUN)
+
+
 def vram_pair(p_shapes: list[RegionShape], d_shapes: list[RegionShape]) -> TransportPair:
-    """P's regions in VRAM (its child allocates them); D's in VRAM unless ``host``."""
+    """P's regions in VRAM (its child allocates them); D's in VRAM unless ``host`` (then
+    pinned host memory: the CUDA IPC gather writes it)."""
     tag = _tag()
     p = TransportProcess(f"P-gpu-{tag}")
     d = NixlTransport(f"D-gpu-{tag}")
     names = [s.name for s in p_shapes]
-    p_regions = [KVRegion(s.name, RegionSpec(s.name, s.num_blocks, s.block_bytes, VRAM, 0, seed=i),
-                          s.num_blocks, s.block_bytes, VRAM, 0) for i, s in enumerate(p_shapes)]
-    d_bufs = [torch.zeros((s.num_blocks, s.block_bytes), dtype=torch.uint8,
-                          device="cpu" if s.host else GPU) for s in d_shapes]
-    d_regions = [KVRegion(s.name, b, s.num_blocks, s.block_bytes, DRAM if s.host else VRAM, 0)
+    p_regions = [KVRegion(s.name, RegionSpec(s.name, s.num_blocks, s.block_bytes, VRAM, 0, seed=i,
+                                             stride=s.stride),
+                          s.num_blocks, s.block_bytes, VRAM, 0, s.stride)
+                 for i, s in enumerate(p_shapes)]
+    d_bufs = [host_zeros((s.num_blocks, s.block_stride)) if s.host
+              else torch.zeros((s.num_blocks, s.block_stride), dtype=torch.uint8, device=GPU)
+              for s in d_shapes]
+    d_regions = [KVRegion(s.name, b, s.num_blocks, s.block_bytes, DRAM if s.host else VRAM, 0,
+                          s.stride)
                  for s, b in zip(d_shapes, d_bufs, strict=True)]
 
     def write_d(i: int, rows: np.ndarray) -> None:
@@ -185,6 +195,43 @@ def test_a_large_shuffled_vram_read_lands_every_byte(vram_ipc):
             src = pattern(5, nb * bb, torch, GPU).view(nb, bb)
             assert torch.equal(dst, src[torch.as_tensor(order, device=GPU)])
             assert d.ipc_descriptors == (nb if vram_ipc and not DRY_RUN else 0)
+        finally:
+            d.close()
+
+
+@pytest.mark.parametrize("stride", [0, 3 * 16 * 1024], ids=["adjacent", "strided"])
+@pytest.mark.parametrize("vram_ipc", [True, False], ids=["cuda-ipc", "nixl-only"])
+def test_a_shuffled_read_from_vram_into_pinned_host_memory_lands_every_byte(vram_ipc, stride):
+    """D's HiSparse host pool: P's VRAM into D's pinned DRAM, shuffled on both sides, every
+    byte checked, the bytes between strided blocks untouched; on one node a CUDA IPC gather
+    writes the host memory (``ipc_descriptors``), else NIXL; the notification comes after."""
+    tag = _tag()
+    nb, bb = 4096, 16 * 1024  # 64 MiB of blocks
+    pitch = stride or bb
+    with TransportProcess(f"P-host-{tag}") as p:
+        p.allocate([RegionSpec("kv", nb, bb, VRAM, 0, seed=9, stride=stride)])
+        d = NixlTransport(f"D-host-{tag}", NixlOptions(vram_ipc=vram_ipc))
+        try:
+            dst = host_zeros((nb, pitch))
+            d.register([KVRegion("kv", dst, nb, bb, DRAM, 0, stride)])
+            peer = d.add_peer(p.metadata())
+            d_name = p.add_peer(d.metadata())
+            rng = np.random.default_rng(4)
+            remote, local = rng.permutation(nb)[:3000], rng.permutation(nb)[:3000]
+            runs = runs_array(remote, local)
+            h = d.post_split_read(peer, [ReadSplit(runs, (("kv", "kv"),))], b"release:host")
+            (c,) = _wait_one(d)
+            assert (c.handle, c.ok) == (h, True), c.reason
+            got = p.call("recv_notifs_until", 1, 10.0)
+            assert [(n.peer, n.message) for n in got] == [(d_name, b"release:host")]
+            src = pattern(9, nb * pitch).reshape(nb, pitch)
+            out = dst.numpy()
+            assert np.array_equal(out[local, :bb], src[remote, :bb])
+            assert not out[:, bb:].any()  # nothing between blocks
+            assert not out[np.setdiff1d(np.arange(nb), local)].any()  # nor in unread blocks
+            ipc = vram_ipc and not DRY_RUN
+            assert d.ipc_descriptors == (len(runs) if ipc else 0)
+            assert d.poll() == []
         finally:
             d.close()
 

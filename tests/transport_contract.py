@@ -28,8 +28,12 @@ What ``make_shaped_pair`` returns (`TransportPair`)
   hierarchical sparse cache's pool, next to its GPU tail; on a host-memory
   pair the two are simply two host pools).
 * ``write_p(i, rows)``, ``write_d(i, rows)``: overwrite region ``i`` on that
-  side with ``rows`` (a ``(num_blocks, block_bytes)`` uint8 array);
-  ``read_d(i)``: a copy of D's region ``i`` as such an array.  For host
+  side with ``rows`` (a ``(num_blocks, block_stride)`` uint8 array: each
+  block's bytes, then for a strided shape the bytes up to the next block);
+  ``read_d(i)``: a copy of D's region ``i`` as such an array.  A shape with a
+  ``stride`` is a region of ``num_blocks`` rows of ``stride`` bytes whose
+  `KVRegion` has that stride: only each row's first ``block_bytes`` are the
+  region's, and a READ must never write the rest.  For host
   memory these are plain numpy copies; for VRAM, copies through the host.
 * ``pump()``: make some progress and return; the tests call it in loops
   (at most ``MAX_PUMPS`` times) until what they wait for happens.  The sim
@@ -85,12 +89,18 @@ class TransportPair:
 
 @dataclass(frozen=True, slots=True)
 class RegionShape:
-    """One region a test wants: ``num_blocks`` x ``block_bytes``; ``host``: never GPU memory."""
+    """One region a test wants: ``num_blocks`` x ``block_bytes``; ``host``: never GPU memory;
+    ``stride``: bytes from block to block (0: ``block_bytes``)."""
 
     name: str
     num_blocks: int
     block_bytes: int
     host: bool = False
+    stride: int = 0
+
+    @property
+    def block_stride(self) -> int:
+        return self.stride or self.block_bytes
 
 
 def uniform_shapes(num_blocks: int, block_bytes: int, n_regions: int) -> list[RegionShape]:
@@ -98,9 +108,9 @@ def uniform_shapes(num_blocks: int, block_bytes: int, n_regions: int) -> list[Re
 
 
 def host_shaped_regions(shapes: list[RegionShape]) -> tuple[list[KVRegion], list[np.ndarray]]:
-    """Numpy-backed regions for ``shapes`` and their ``(num_blocks, block_bytes)`` rows."""
-    rows = [np.zeros((s.num_blocks, s.block_bytes), dtype=np.uint8) for s in shapes]
-    return [KVRegion(s.name, r, s.num_blocks, s.block_bytes)
+    """Numpy-backed regions for ``shapes`` and their ``(num_blocks, block_stride)`` rows."""
+    rows = [np.zeros((s.num_blocks, s.block_stride), dtype=np.uint8) for s in shapes]
+    return [KVRegion(s.name, r, s.num_blocks, s.block_bytes, stride=s.stride)
             for s, r in zip(shapes, rows, strict=True)], rows
 
 
@@ -146,16 +156,17 @@ class TransportContract:
         return p_name, d_name
 
     def fill(self, pair: TransportPair, seed: int = 1) -> list[np.ndarray]:
-        """Random source bytes on P, the sentinel on D; returns P's rows."""
+        """Random source bytes on P (the bytes between strided blocks too), the sentinel
+        on D; returns P's ``(num_blocks, block_stride)`` rows."""
         rng = np.random.default_rng(seed)
         source = []
         for i, region in enumerate(pair.p_regions):
-            rows = rng.integers(0, 256, (region.num_blocks, region.block_bytes), dtype=np.uint8)
+            rows = rng.integers(0, 256, (region.num_blocks, region.block_stride), dtype=np.uint8)
             rows[rows == SENTINEL] = SENTINEL + 1  # so "untouched" is unambiguous
             pair.write_p(i, rows)
             source.append(rows)
         for i, region in enumerate(pair.d_regions):
-            pair.write_d(i, np.full((region.num_blocks, region.block_bytes), SENTINEL, np.uint8))
+            pair.write_d(i, np.full((region.num_blocks, region.block_stride), SENTINEL, np.uint8))
         return source
 
     def wait(self, pair: TransportPair, done: Callable[[], bool], what: str) -> None:
@@ -308,6 +319,44 @@ class TransportContract:
         self.wait(pair, lambda: bool(completions.extend(pair.d.poll()) or completions),
                   "the READ's completion at D")
         assert [c.ok for c in completions] == [True]
+
+    @pytest.mark.parametrize("strided", ["p", "d", "both"])
+    def test_a_strided_read_lands_each_block_and_never_writes_between_blocks(self, strided):
+        """Regions whose blocks sit ``stride`` bytes apart (a HiSparse D's indexer pages in
+        rows shared with groups never read): every block lands; no byte between blocks moves."""
+        n, bb = self.NUM_BLOCKS, self.BLOCK_BYTES
+
+        def shapes(side: str, strides: tuple[int, int]) -> list[RegionShape]:
+            on = strided in (side, "both")
+            return [RegionShape(f"layer{i}.kv", n, bb, stride=s if on else 0)
+                    for i, s in enumerate(strides)]
+
+        # different strides on P and D, and per region; 3 * bb: whole rows skipped
+        pair = self.make_shaped_pair(shapes("p", (bb + 64, 3 * bb)),
+                                     shapes("d", (2 * bb, bb + 128)))
+        try:
+            p_name, _ = self.connect(pair)
+            source = self.fill(pair)
+            rng = np.random.default_rng(5)
+            remote = [*range(0, 12), *(int(b) for b in rng.permutation(np.arange(12, n))[:20])]
+            local = [*range(40, 52), *(int(b) for b in rng.permutation(np.arange(0, 40))[:20])]
+            remote += [n - 1]
+            local += [n - 1]  # the last block: its span ends with the region
+            runs = coalesce(remote, local)
+            (c,) = self.read_all(pair, p_name, [ReadRequest(runs=runs)], b"release:strided")\
+                .values()
+            assert c.ok, c.reason
+            for i, region in enumerate(pair.d_regions):
+                got = pair.read_d(i)
+                assert got.shape == (n, region.block_stride)
+                for r, loc in zip(remote, local, strict=True):
+                    assert np.array_equal(got[loc, :bb], source[i][r, :bb]), \
+                        f"region {i}: block {r}->{loc}"
+                assert (got[:, bb:] == SENTINEL).all(), f"region {i}: a byte between blocks changed"
+                untouched = np.setdiff1d(np.arange(n), local)
+                assert (got[untouched] == SENTINEL).all(), f"region {i}: an unread block changed"
+        finally:
+            pair.close()
 
     # -- notifications --------------------------------------------------------
 

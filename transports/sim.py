@@ -9,7 +9,8 @@ A `SimNetwork` is one simulated fabric.  It owns the discrete-event clock
 the contract suite drive either one the same way.
 
 * READs copy real bytes.  Registered regions are numpy buffers viewed as
-  ``(num_blocks, block_bytes)`` rows; a READ copies rows from the remote
+  ``(num_blocks, block_bytes)`` rows, one every ``block_stride`` bytes (the
+  bytes between rows are never read or written); a READ copies rows from the remote
   agent's region into the local one **when it completes**, i.e. it sees the
   source as it is at the end of the transfer.  That is the pessimistic choice:
   if P freed (and poisoned, or reused) a source block while the READ was in
@@ -467,7 +468,11 @@ class SimNetwork:
 
 
 def _rows(region: KVRegion) -> np.ndarray:
-    """A region's buffer as (num_blocks, block_bytes) uint8 rows, sharing memory."""
+    """A region's buffer as (num_blocks, block_bytes) uint8 rows, sharing memory.
+
+    Row ``b`` starts ``b * block_stride`` bytes in: a strided region's view
+    skips the bytes between its blocks, so a READ never touches them.
+    """
     buf = region.buffer
     if not isinstance(buf, np.ndarray):
         if hasattr(buf, "numpy") and getattr(buf, "device", None) is not None \
@@ -477,11 +482,21 @@ def _rows(region: KVRegion) -> np.ndarray:
             raise RegionMismatch(f"region {region.name!r}: the sim transport needs host memory")
     if not buf.flags.c_contiguous:
         raise RegionMismatch(f"region {region.name!r}: buffer is not contiguous")
+    if region.num_blocks <= 0 or region.block_bytes <= 0:
+        raise RegionMismatch(f"region {region.name!r}: expected positive num_blocks and "
+                             f"block_bytes, found {region.num_blocks} x {region.block_bytes}")
+    stride = region.block_stride
+    if stride < region.block_bytes:
+        raise RegionMismatch(f"region {region.name!r}: stride {stride} < block_bytes "
+                             f"{region.block_bytes} (blocks would overlap)")
     flat = buf.reshape(-1).view(np.uint8)
-    need = region.num_blocks * region.block_bytes
+    need = (region.num_blocks - 1) * stride + region.block_bytes
     if flat.size < need:
         raise RegionMismatch(f"region {region.name!r}: {flat.size} bytes < {need} needed")
-    return flat[:need].reshape(region.num_blocks, region.block_bytes)
+    if stride == region.block_bytes:
+        return flat[:need].reshape(region.num_blocks, region.block_bytes)
+    return np.lib.stride_tricks.as_strided(flat[:need], (region.num_blocks, region.block_bytes),
+                                           (stride, 1))
 
 
 class SimTransport:

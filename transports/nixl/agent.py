@@ -90,9 +90,10 @@ class NixlOptions:
     descriptors in parallel (0: post from the caller's thread).
     ``ucx_defaults``: set `UCX_DEFAULTS` where the user has not.
     ``telemetry``: NIXL per-transfer telemetry (descriptor counts after
-    merging; costs a little per transfer).  ``vram_ipc``: VRAM-to-VRAM READs
-    between agents on one node run as CUDA IPC gather kernels instead of one
-    UCX GET per descriptor (see `cuda_ipc`); off: everything goes through NIXL.
+    merging; costs a little per transfer).  ``vram_ipc``: READs from a peer's VRAM
+    into VRAM or CUDA-pinned host memory, between agents on one node, run as
+    CUDA IPC gather kernels instead of one UCX GET per descriptor (see
+    `cuda_ipc`); off: everything goes through NIXL.
     """
 
     backends: tuple[str, ...] = ("UCX",)

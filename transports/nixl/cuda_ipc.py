@@ -12,9 +12,17 @@ peer and copies a whole READ split with ``index_select`` on a side stream,
 usually one kernel for all its region pairs (`plan_jobs`): no per-descriptor
 CPU work at all.
 
+VRAM to *pinned host memory* (a HiSparse D's host pool) takes the same
+route: UCX stages such READs through TCP (~0.4 GB/s on one H200), while the
+gather kernel writes the host memory directly through its device pointer
+(`host_device_pointer`) over PCIe; the kernel's completion makes the bytes
+visible to the host before its event fires.  Strided regions (block ``b``
+at ``addr + b * stride``) are views with that row pitch on either side:
+only each block's bytes are read or written.
+
 What stays with NIXL: metadata, notifications (including the completion
-notification, sent after the kernel's event fired), host memory, VRAM to
-host, and peers on other nodes or whose allocations cannot be exported
+notification, sent after the kernel's event fired), unpinned host memory,
+host sources, and peers on other nodes or whose allocations cannot be exported
 (``expandable_segments`` / VMM allocations).  Nothing here is used unless
 ``NixlOptions.vram_ipc`` is on and both sides agree they share a node.
 
@@ -69,6 +77,9 @@ def _driver() -> Any:
     lib.open_ipc = getattr(lib, "cuIpcOpenMemHandle_v2", None) or lib.cuIpcOpenMemHandle
     lib.open_ipc.argtypes = [ctypes.POINTER(ctypes.c_uint64), _IpcHandle, ctypes.c_uint]
     lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
+    lib.host_ptr = getattr(lib, "cuMemHostGetDevicePointer_v2", None) or \
+        lib.cuMemHostGetDevicePointer
+    lib.host_ptr.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
     return lib
 
 
@@ -127,6 +138,18 @@ def export(spans: Sequence[tuple[int, int]]) -> list[list]:
     return list(out.values())
 
 
+def host_device_pointer(addr: int, device: int) -> int:
+    """The address ``device``'s kernels write pinned host memory at ``addr`` through.
+
+    Raises `CudaIpcError` for host memory the CUDA driver has not pinned.
+    """
+    ptr = ctypes.c_uint64()
+    with _current(device):
+        _check(_driver().host_ptr(ctypes.byref(ptr), ctypes.c_void_p(addr), 0),
+               "cuMemHostGetDevicePointer")
+    return ptr.value
+
+
 @dataclass(slots=True)
 class _Mapping:
     device: int
@@ -179,13 +202,28 @@ class _Memory:
 
 @dataclass(frozen=True, slots=True)
 class GatherPair:
-    """Copy blocks of ``block_bytes`` from ``src`` (mapped peer memory) to ``dst`` (ours)."""
+    """Copy blocks of ``block_bytes`` from ``src`` (mapped peer memory) to ``dst`` (ours).
+
+    Block ``b`` sits at ``src + b * src_stride`` and ``dst + b * dst_stride``
+    (0: ``block_bytes``, adjacent); only the blocks' own bytes are copied.
+    ``dst`` is a device address: VRAM, or pinned host memory's device pointer.
+    """
 
     src: int
     dst: int
     src_blocks: int
     dst_blocks: int
     block_bytes: int
+    src_stride: int = 0
+    dst_stride: int = 0
+
+    @property
+    def src_pitch(self) -> int:
+        return self.src_stride or self.block_bytes
+
+    @property
+    def dst_pitch(self) -> int:
+        return self.dst_stride or self.block_bytes
 
 
 class GatherRead:
@@ -202,7 +240,10 @@ class GatherRead:
 
 @dataclass(frozen=True, slots=True)
 class _Job:
-    """One kernel: rows ``remote`` of the source view into rows ``local`` of the destination."""
+    """One kernel: rows ``remote`` of the source view into rows ``local`` of the destination.
+
+    A view's row ``i`` is ``block_bytes`` at ``ptr + i * pitch``.
+    """
 
     src: int
     src_rows: int
@@ -211,30 +252,35 @@ class _Job:
     block_bytes: int
     remote: np.ndarray
     local: np.ndarray
+    src_pitch: int = 0
+    dst_pitch: int = 0
 
 
 def plan_jobs(pairs: Sequence[GatherPair], remote_blocks: np.ndarray,
               local_blocks: np.ndarray) -> list[_Job]:
     """As few kernels as the layout allows: usually one for every region pair.
 
-    Region pairs with one block size whose regions sit at whole-block offsets
-    from each other (per-layer views of one KV allocation, the usual layout)
-    become rows of one view per side, so a READ over 56 regions is one
-    ``index_select``, not 56.  Rows between the regions are never touched:
-    only indexed rows are read or written.  Otherwise: one kernel per pair.
+    Region pairs with one block size and one stride per side whose regions
+    sit at whole-row offsets from each other (per-layer views of one KV
+    allocation, the usual layout) become rows of one view per side, so a READ
+    over 56 regions is one ``index_select``, not 56.  Rows between the
+    regions, and the bytes between a strided region's blocks, are never
+    touched: only indexed rows' ``block_bytes`` are read or written.
+    Otherwise: one kernel per pair.
     """
     bb = pairs[0].block_bytes
+    sp, dp = pairs[0].src_pitch, pairs[0].dst_pitch
     sbase, dbase = min(p.src for p in pairs), min(p.dst for p in pairs)
-    if all(p.block_bytes == bb and (p.src - sbase) % bb == 0 and (p.dst - dbase) % bb == 0
-           for p in pairs):
-        soff = [(p.src - sbase) // bb for p in pairs]
-        doff = [(p.dst - dbase) // bb for p in pairs]
+    if all(p.block_bytes == bb and p.src_pitch == sp and p.dst_pitch == dp
+           and (p.src - sbase) % sp == 0 and (p.dst - dbase) % dp == 0 for p in pairs):
+        soff = [(p.src - sbase) // sp for p in pairs]
+        doff = [(p.dst - dbase) // dp for p in pairs]
         return [_Job(sbase, max(o + p.src_blocks for o, p in zip(soff, pairs, strict=True)),
                      dbase, max(o + p.dst_blocks for o, p in zip(doff, pairs, strict=True)), bb,
                      np.concatenate([remote_blocks + o for o in soff]),
-                     np.concatenate([local_blocks + o for o in doff]))]
+                     np.concatenate([local_blocks + o for o in doff]), sp, dp)]
     return [_Job(p.src, p.src_blocks, p.dst, p.dst_blocks, p.block_bytes, remote_blocks,
-                 local_blocks) for p in pairs]
+                 local_blocks, p.src_pitch, p.dst_pitch) for p in pairs]
 
 
 class Gatherer:
@@ -254,15 +300,21 @@ class Gatherer:
         with torch.cuda.stream(stream):
             for job in plan_jobs(pairs, np.asarray(remote_blocks, dtype=np.int64),
                                  np.asarray(local_blocks, dtype=np.int64)):
-                word = _word(job.block_bytes, job.src, job.dst)
-                src = self._view(torch, dev, job.src, job.src_rows, job.block_bytes, word)
-                dst = self._view(torch, dev, job.dst, job.dst_rows, job.block_bytes, word)
+                word = _word(job)
+                src = self._view(torch, dev, job.src, job.src_rows, job.block_bytes,
+                                 job.src_pitch, word)
+                dst = self._view(torch, dev, job.dst, job.dst_rows, job.block_bytes,
+                                 job.dst_pitch, word)
                 ridx = torch.from_numpy(np.ascontiguousarray(job.remote)).to(dev)
                 lo = job.local
                 if len(lo) and lo[-1] - lo[0] == len(lo) - 1 and (np.diff(lo) == 1).all():
                     # local rows in order (the common case): straight into place
                     start = int(lo[0])
-                    torch.index_select(src, 0, ridx, out=dst[start:start + len(lo)])
+                    rows = dst[start:start + len(lo)]
+                    if rows.is_contiguous():
+                        torch.index_select(src, 0, ridx, out=rows)
+                    else:  # strided rows: gather, then one strided copy kernel
+                        rows.copy_(src.index_select(0, ridx))
                 else:
                     lidx = torch.from_numpy(np.ascontiguousarray(lo)).to(dev)
                     dst.index_copy_(0, lidx, src.index_select(0, ridx))
@@ -274,22 +326,29 @@ class Gatherer:
         """Drop cached views (after memory was unmapped)."""
         self._views.clear()
 
-    def _view(self, torch: Any, dev: Any, ptr: int, rows: int, block_bytes: int,
+    def _view(self, torch: Any, dev: Any, ptr: int, rows: int, block_bytes: int, pitch: int,
               word: Any) -> Any:
-        key = (dev.index, ptr, rows, block_bytes, word)
+        key = (dev.index, ptr, rows, block_bytes, pitch, word)
         t = self._views.get(key)
         if t is None:
             if len(self._views) > 1024:  # views own no memory; just keep the dict small
                 self._views.clear()
-            t = torch.as_tensor(_Memory(ptr, rows * block_bytes), device=dev)
-            t = self._views[key] = t.view(word).view(rows, -1)
+            span = (rows - 1) * pitch + block_bytes
+            flat = torch.as_tensor(_Memory(ptr, span), device=dev)
+            if flat.data_ptr() != ptr:  # torch copied it (memory of another device?)
+                raise CudaIpcError(f"view of {ptr:#x}: expected torch to wrap it in place on "
+                                   f"{dev}, found a copy")
+            size = word.itemsize
+            t = flat.view(word).as_strided((rows, block_bytes // size), (pitch // size, 1))
+            self._views[key] = t
         return t
 
 
-def _word(block_bytes: int, src: int, dst: int) -> Any:
+def _word(job: _Job) -> Any:
     import torch
 
     for size, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
-        if block_bytes % size == 0 and src % size == 0 and dst % size == 0:
+        if all(x % size == 0 for x in (job.block_bytes, job.src, job.dst, job.src_pitch,
+                                       job.dst_pitch)):
             return dtype
     return torch.uint8

@@ -27,7 +27,12 @@ from kvhandoff.transports.base import KVRegion, MemoryKind, RegionMismatch
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """A region's bytes: ``[addr, addr + nbytes)`` inside allocation ``owner``."""
+    """A region's bytes: ``[addr, addr + nbytes)`` inside allocation ``owner``.
+
+    Block ``b`` is ``block_bytes`` at ``addr + b * block_stride``; ``nbytes``
+    is the span from block 0's first byte to the last block's last byte (a
+    strided region's gaps included: they are registered, never transferred).
+    """
 
     name: str
     kind: MemoryKind
@@ -36,10 +41,16 @@ class Placement:
     block_bytes: int
     num_blocks: int
     owner: tuple[str, int, int]  # (kind, device, allocation base address)
+    stride: int = 0  # bytes from block b to b + 1 (0: block_bytes, adjacent)
+    pinned: bool = False  # host memory the CUDA driver pinned (a gather kernel can write it)
+
+    @property
+    def block_stride(self) -> int:
+        return self.stride or self.block_bytes
 
     @property
     def nbytes(self) -> int:
-        return self.block_bytes * self.num_blocks
+        return (self.num_blocks - 1) * self.block_stride + self.block_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,11 +70,17 @@ def locate(region: KVRegion) -> Placement:
     if region.num_blocks <= 0 or region.block_bytes <= 0:
         raise RegionMismatch(f"region {region.name!r}: expected positive num_blocks and "
                              f"block_bytes, found {region.num_blocks} x {region.block_bytes}")
-    need = region.num_blocks * region.block_bytes
+    stride = region.block_stride
+    if stride < region.block_bytes:
+        raise RegionMismatch(f"region {region.name!r}: stride {stride} < block_bytes "
+                             f"{region.block_bytes} (blocks would overlap)")
+    need = (region.num_blocks - 1) * stride + region.block_bytes
+    pinned = False
     if isinstance(buf, np.ndarray):
         kind, device, addr, nbytes, owner_addr = _numpy_place(region.name, buf)
     elif _is_torch_tensor(buf):
         kind, device, addr, nbytes, owner_addr = _torch_place(region.name, buf)
+        pinned = kind is MemoryKind.DRAM and _is_pinned(buf)
     else:
         raise RegionMismatch(f"region {region.name!r}: expected a numpy array or torch "
                              f"tensor, found {type(buf).__name__}")
@@ -71,10 +88,13 @@ def locate(region: KVRegion) -> Placement:
         raise RegionMismatch(f"region {region.name!r}: declared {region.kind.value}:"
                              f"{region.device}, buffer is {kind.value}:{device}")
     if nbytes < need:
+        shape = (f"{region.num_blocks} x {region.block_bytes}" if stride == region.block_bytes
+                 else f"{region.num_blocks} x {region.block_bytes}, stride {stride}")
         raise RegionMismatch(f"region {region.name!r}: expected at least {need} bytes "
-                             f"({region.num_blocks} x {region.block_bytes}), found {nbytes}")
+                             f"({shape}), found {nbytes}")
     return Placement(region.name, kind, device, addr, region.block_bytes, region.num_blocks,
-                     (kind.value, device, owner_addr))
+                     (kind.value, device, owner_addr),
+                     0 if stride == region.block_bytes else stride, pinned)
 
 
 def plan_registrations(placements: Sequence[Placement]) -> list[Registration]:
@@ -101,13 +121,16 @@ def descriptor_rows(placements: Sequence[Placement]) -> np.ndarray:
     """NIXL's strided descriptor list: one row per region, one descriptor per block.
 
     Row ``(addr, block_bytes, device, stride, count)``: index ``base + b``
-    addresses block ``b`` of the region, and NIXL merges consecutive indices
-    of one row into a single descriptor, which is how coalesced block runs
-    reach the wire as one descriptor each.
+    addresses block ``b`` of the region (``block_bytes`` at ``addr + b *
+    stride``), and NIXL merges consecutive indices of one row into a single
+    descriptor when they are adjacent, which is how coalesced block runs of
+    an unstrided region reach the wire as one descriptor each (a strided
+    region's blocks are not adjacent: one descriptor per block, so the bytes
+    between them are never written).
     """
     rows = np.empty((len(placements), 5), dtype=np.int64)
     for i, p in enumerate(placements):
-        rows[i] = (p.addr, p.block_bytes, p.device, p.block_bytes, p.num_blocks)
+        rows[i] = (p.addr, p.block_bytes, p.device, p.block_stride, p.num_blocks)
     return rows
 
 
@@ -138,6 +161,14 @@ def _torch_place(name: str, t: Any) -> tuple[MemoryKind, int, int, int, int]:
     device = (t.device.index or 0) if t.is_cuda else 0
     owner = t.untyped_storage().data_ptr()
     return kind, device, t.data_ptr(), t.numel() * t.element_size(), owner
+
+
+def _is_pinned(t: Any) -> bool:
+    """Whether a host tensor is CUDA-pinned (never initialises CUDA to find out)."""
+    try:
+        return bool(t.is_pinned())
+    except Exception:  # a torch built without CUDA, or no driver
+        return False
 
 
 def _is_torch_tensor(obj: object) -> bool:

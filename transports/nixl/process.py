@@ -49,7 +49,12 @@ class ChildGone(TransportError):
 
 @dataclass(frozen=True, slots=True)
 class RegionSpec:
-    """A region the child allocates itself: ``num_blocks`` x ``block_bytes`` of ``kind``."""
+    """A region the child allocates itself: ``num_blocks`` x ``block_bytes`` of ``kind``.
+
+    With a ``stride`` (bytes from block to block, larger than ``block_bytes``)
+    the child allocates ``num_blocks`` whole rows of ``stride`` bytes and
+    registers the region strided: the bytes between blocks are not its own.
+    """
 
     name: str
     num_blocks: int
@@ -57,16 +62,23 @@ class RegionSpec:
     kind: MemoryKind = MemoryKind.DRAM
     device: int = 0
     seed: int = 0  # filled with `pattern(seed, ...)`
+    stride: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class RegionView:
-    """A region carved out of one payload allocation: ``num_blocks`` x ``block_bytes`` at ``offset``."""
+    """A region carved out of one payload allocation: ``num_blocks`` x ``block_bytes`` at ``offset``
+    (block ``b`` at ``offset + b * stride`` with a ``stride``)."""
 
     name: str
     offset: int
     num_blocks: int
     block_bytes: int
+    stride: int = 0
+
+    @property
+    def span(self) -> int:
+        return (self.num_blocks - 1) * (self.stride or self.block_bytes) + self.block_bytes
 
 
 def pattern(seed: int, nbytes: int, xp: Any = np, device: Any = None) -> Any:
@@ -194,7 +206,8 @@ class TransportProcess:
         for name, seg in self._segments.items():
             base = np.frombuffer(seg.buf, dtype=np.uint8).ctypes.data
             if base <= addr and addr + buf.nbytes <= base + seg.size:
-                return (region.name, name, addr - base, region.num_blocks, region.block_bytes)
+                return (region.name, name, addr - base, region.num_blocks, region.block_bytes,
+                        region.stride)
         raise RegionMismatch(f"region {region.name!r}: buffer is not in this process's "
                              "shared_array() segments")
 
@@ -250,19 +263,19 @@ class _Child:
 
     def register_shared(self, specs: list[tuple]) -> None:
         regions = []
-        for name, seg_name, offset, num_blocks, block_bytes in specs:
+        for name, seg_name, offset, num_blocks, block_bytes, stride in specs:
             seg = shared_memory.SharedMemory(name=seg_name)
             self.segments.append(seg)
-            arr = np.ndarray((num_blocks, block_bytes), dtype=np.uint8, buffer=seg.buf,
-                             offset=offset)
+            span = (num_blocks - 1) * (stride or block_bytes) + block_bytes
+            arr = np.ndarray((span,), dtype=np.uint8, buffer=seg.buf, offset=offset)
             self.buffers[name] = arr
-            regions.append(KVRegion(name, arr, num_blocks, block_bytes))
+            regions.append(KVRegion(name, arr, num_blocks, block_bytes, stride=stride))
         self.transport.register(regions)
 
     def allocate(self, specs: list[RegionSpec], register: bool) -> None:
         regions = []
         for s in specs:
-            nbytes = s.num_blocks * s.block_bytes
+            nbytes = s.num_blocks * (s.stride or s.block_bytes)
             if s.kind is MemoryKind.VRAM:
                 import torch
 
@@ -271,7 +284,8 @@ class _Child:
             else:
                 buf = pattern(s.seed, nbytes).copy()
             self.buffers[s.name] = buf
-            regions.append(KVRegion(s.name, buf, s.num_blocks, s.block_bytes, s.kind, s.device))
+            regions.append(KVRegion(s.name, buf, s.num_blocks, s.block_bytes, s.kind, s.device,
+                                    s.stride))
         if register:
             self.transport.register(regions)
 
@@ -286,8 +300,8 @@ class _Child:
             buf = pattern(seed, nbytes).copy()
         # Each allocation stays alive (and registered) until close: keep every one.
         self.buffers["payload" if "payload" not in self.buffers else f"payload{len(self.buffers)}"] = buf
-        regions = [KVRegion(v.name, buf[v.offset:v.offset + v.num_blocks * v.block_bytes],
-                            v.num_blocks, v.block_bytes, kind, device) for v in views]
+        regions = [KVRegion(v.name, buf[v.offset:v.offset + v.span], v.num_blocks,
+                            v.block_bytes, kind, device, v.stride) for v in views]
         t0 = time.perf_counter()
         self.transport.register(regions)
         return (time.perf_counter() - t0) * 1e3

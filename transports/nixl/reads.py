@@ -52,6 +52,17 @@ class RegionAt:
     block_bytes: int
     addr: int
     device: int
+    stride: int = 0  # bytes from block b to b + 1 (0: block_bytes)
+    pinned: bool = False  # CUDA-pinned host memory (a gather kernel can write it)
+
+    @property
+    def block_stride(self) -> int:
+        return self.stride or self.block_bytes
+
+    @property
+    def nbytes(self) -> int:
+        """The span from block 0's first byte to the last block's last byte."""
+        return (self.num_blocks - 1) * self.block_stride + self.block_bytes
 
 
 @dataclass(slots=True)

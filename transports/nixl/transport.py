@@ -25,12 +25,21 @@ Theory of operation
   one NIXL transfer (a descriptor list has one memory kind), all of them
   together one handle with one aggregate completion.  A READ into a GPU tail and a
   host pool is thus one `post_split_read`.
+* **Strided regions.**  A region's block ``b`` is at ``addr + b * stride``
+  (`KVRegion.stride`; 0: adjacent).  The stride travels in the metadata,
+  is the stride column of the region's descriptor row (NIXL then never
+  merges its blocks, so the bytes between them are never written) and the
+  row pitch of the CUDA IPC gather's views on either side.
 * **Same-node VRAM.**  UCX posts one GPU copy per descriptor (~8-10 µs of CPU
-  each on an H200), which makes shuffled READs of small blocks CPU-bound.
-  When both agents are on one node, a VRAM-to-VRAM group is instead copied
-  by gather kernels over CUDA IPC (`cuda_ipc`, usually one per READ); its
+  each on an H200), which makes shuffled READs of small blocks CPU-bound,
+  and stages VRAM READs into host memory through TCP (~0.4 GB/s on one
+  H200).  When both agents are on one node, a group from the peer's VRAM
+  into our VRAM *or into CUDA-pinned host memory* (a HiSparse host pool) is
+  instead copied by gather kernels over CUDA IPC (`cuda_ipc`, usually one
+  per READ; a host destination is written through its device pointer); its
   completion is a CUDA event polled like a NIXL transfer.  Everything else
-  (host memory, other nodes, ``NixlOptions(vram_ipc=False)``) is NIXL.
+  (unpinned host memory, host sources, other nodes,
+  ``NixlOptions(vram_ipc=False)``) is NIXL.
 * **Completion notification.**  With a single NIXL transfer the notification
   rides on it (NIXL sends it once the bytes landed).  With several (or a
   CUDA IPC gather), it is sent by `poll` after the last one landed: attached to any one of them, it
@@ -69,7 +78,15 @@ from kvhandoff.transports.base import (
 
 from . import wire
 from .agent import NixlOptions, create_agent
-from .cuda_ipc import Gatherer, GatherPair, GatherRead, PeerMemory, export, node_id
+from .cuda_ipc import (
+    Gatherer,
+    GatherPair,
+    GatherRead,
+    PeerMemory,
+    export,
+    host_device_pointer,
+    node_id,
+)
 from .memory import (
     Placement,
     Registration,
@@ -147,6 +164,7 @@ class NixlTransport:
         self.ipc_descriptors = 0  # posted as CUDA IPC gathers instead (see cuda_ipc)
         self._gatherer = Gatherer()
         self._ipc_export: list[list] = []
+        self._host_ptrs: dict[tuple[int, int], int | None] = {}  # pinned host -> device address
 
     # -- registration and metadata ------------------------------------------
 
@@ -218,7 +236,8 @@ class NixlTransport:
         if isinstance(name, bytes):
             name = name.decode()
         placements = [Placement(r.name, r.kind, r.device, r.addr, r.block_bytes, r.num_blocks,
-                                (r.kind.value, r.device, r.addr)) for r in meta.regions]
+                                (r.kind.value, r.device, r.addr), r.stride)
+                      for r in meta.regions]
         for kind in {p.kind for p in placements}:
             spans = span_rows([p for p in placements if p.kind is kind])
             descs = self._agent.get_xfer_descs(spans, kind.value)
@@ -238,7 +257,8 @@ class NixlTransport:
         ipc = meta.ipc or {}
         if (self.options.vram_ipc and ipc.get("allocations") and ipc.get("node")
                 and ipc.get("node") == node_id()
-                and any(p.kind is MemoryKind.VRAM for p in self._placements.values())):
+                and any(p.kind is MemoryKind.VRAM or p.pinned
+                        for p in self._placements.values())):
             return list(ipc["allocations"])
         return None
 
@@ -295,9 +315,9 @@ class NixlTransport:
         for group, gather in zip(groups, gathers, strict=True):
             if gather is not None:
                 try:
+                    device, pairs = gather
                     pending.xfers.append(self._gatherer.gather(
-                        group.pairs[0][1].device, gather, group.remote_blocks,
-                        group.local_blocks))
+                        device, pairs, group.remote_blocks, group.local_blocks))
                 except Exception as exc:
                     pending.failure = pending.failure or self._failure(p, "failed post", exc)
                     break
@@ -438,7 +458,7 @@ class NixlTransport:
             base = 0
             for p in of_kind:
                 regions[p.name] = RegionAt(kind, base, p.num_blocks, p.block_bytes, p.addr,
-                                            p.device)
+                                            p.device, p.stride, p.pinned)
                 base += p.num_blocks
             if base >= 2**31:
                 raise RegionMismatch(f"{agent_name or self.name}: {base} {kind.value} blocks "
@@ -447,21 +467,52 @@ class NixlTransport:
                                                        kind.value)
         return _Side(regions, dlists)
 
-    def _gather_pairs(self, peer: _Peer, group: ReadGroup) -> list[GatherPair] | None:
-        """The group as CUDA IPC gathers, or None when it must go through NIXL."""
-        if group.lkind is not MemoryKind.VRAM or group.rkind is not MemoryKind.VRAM:
+    def _gather_pairs(self, peer: _Peer,
+                      group: ReadGroup) -> tuple[int, list[GatherPair]] | None:
+        """The group as CUDA IPC gathers ``(device, pairs)``, or None when NIXL must carry it.
+
+        The source is the peer's VRAM, mapped here; the destination is our VRAM
+        (the kernel runs on its device) or CUDA-pinned host memory, written by
+        the kernel through its device pointer (the kernel runs on the source's
+        device).  Block ``b`` is at ``addr + b * stride`` on each side.
+        """
+        if group.rkind is not MemoryKind.VRAM:
+            return None
+        host = group.lkind is MemoryKind.DRAM
+        if host and not all(local.pinned for _, local in group.pairs):
+            return None
+        if not host and group.lkind is not MemoryKind.VRAM:
             return None
         mapped = self._peer_vram(peer)
         if mapped is None:
             return None
+        device = group.pairs[0][0].device if host else group.pairs[0][1].device
         pairs = []
         for remote, local in group.pairs:
-            src = mapped.translate(remote.addr, remote.num_blocks * remote.block_bytes)
-            if src is None or local.device != group.pairs[0][1].device:
+            src = mapped.translate(remote.addr, remote.nbytes)
+            if src is None:
                 return None
-            pairs.append(GatherPair(src, local.addr, remote.num_blocks, local.num_blocks,
-                                    local.block_bytes))
-        return pairs
+            if host:
+                dst = self._host_pointer(local.addr, device) if remote.device == device else None
+            else:
+                dst = local.addr if local.device == device else None
+            if dst is None:
+                return None
+            pairs.append(GatherPair(src, dst, remote.num_blocks, local.num_blocks,
+                                    local.block_bytes, remote.stride, local.stride))
+        return device, pairs
+
+    def _host_pointer(self, addr: int, device: int) -> int | None:
+        """The device address of pinned host memory at ``addr`` (None: not mapped)."""
+        key = (addr, device)
+        if key not in self._host_ptrs:
+            try:
+                self._host_ptrs[key] = host_device_pointer(addr, device)
+            except Exception as exc:  # not pinned after all, or a driver refusal
+                log.info("nixl.cuda_host_pointer_unavailable", agent=self.name,
+                         addr=hex(addr), device=device, error=str(exc))
+                self._host_ptrs[key] = None
+        return self._host_ptrs[key]
 
     def _advance(self, pending: _Pending) -> bool:
         """Check each transfer of ``pending``; True once all of them have finished."""

@@ -2,7 +2,7 @@
 
 A peer needs two things to READ from us: NIXL's agent metadata (connection
 info and registrations, opaque) and where each named region's blocks are
-(address, block size, count, memory kind, device).  Both travel in one blob
+(address, block size, count, memory kind, device, stride).  Both travel in one blob
 so they can never disagree::
 
     b"KVHNIXL1" | u32 header length | header (JSON) | NIXL agent metadata
@@ -44,6 +44,7 @@ class RemoteRegion:
     addr: int
     block_bytes: int
     num_blocks: int
+    stride: int = 0  # bytes from block b to b + 1 (0: block_bytes, adjacent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +64,9 @@ def encode(agent: str, instance: str, generation: int, placements: Sequence[Plac
         "instance": instance,
         "generation": generation,
         "ipc": ipc,
+        # a 7th column, the stride, only where a region has one (older readers take 6)
         "regions": [[p.name, p.kind.value, p.device, p.addr, p.block_bytes, p.num_blocks]
-                    for p in placements],
+                    + ([p.stride] if p.stride else []) for p in placements],
     })
     return MAGIC + _LEN.pack(len(header)) + header + nixl_metadata
 
@@ -83,9 +85,7 @@ def decode(blob: bytes) -> PeerMetadata:
         raise MetadataUnreadable(f"header of {n} bytes truncated at {len(blob) - start}")
     try:
         h = orjson.loads(blob[start:start + n])
-        regions = tuple(
-            RemoteRegion(str(name), MemoryKind(kind), int(dev), int(addr), int(bb), int(nb))
-            for name, kind, dev, addr, bb, nb in h["regions"])
+        regions = tuple(_region(*row) for row in h["regions"])
         ipc = h.get("ipc")
         if ipc is not None and not isinstance(ipc, dict):
             raise TypeError(f"ipc: expected an object, found {type(ipc).__name__}")
@@ -93,3 +93,11 @@ def decode(blob: bytes) -> PeerMetadata:
                             regions, blob[start + n:], ipc)
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise MetadataUnreadable(f"unreadable header: {exc}") from None
+
+
+def _region(name, kind, dev, addr, bb, nb, stride=0) -> RemoteRegion:
+    bb, nb, stride = int(bb), int(nb), int(stride)
+    if bb <= 0 or nb <= 0 or (stride and stride < bb):
+        raise ValueError(f"region {name!r}: {nb} x {bb}, stride {stride}")
+    return RemoteRegion(str(name), MemoryKind(kind), int(dev), int(addr), bb, nb,
+                        0 if stride == bb else stride)
