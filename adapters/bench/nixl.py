@@ -15,6 +15,17 @@ On one node, VRAM-to-VRAM READs run as CUDA IPC gathers (``path:
 cuda_ipc``; see `kvhandoff.transports.nixl.cuda_ipc`); ``--no-vram-ipc``
 measures NIXL/UCX alone (``path: nixl``).
 
+``--dst host`` (cuda only): D's destination is *pinned host memory* (a
+HiSparse D's host pool) while P's payload stays in VRAM; the baseline is then
+a same-run device-to-host ``cudaMemcpy`` (torch ``copy_`` into the pinned
+buffer) of the same bytes, and the READs run as CUDA IPC gathers writing the
+host memory (``path: cuda_ipc``) or, with ``--no-vram-ipc``, through NIXL.
+``--strided`` adds a row whose regions are strided (`KVRegion.stride`: 16 KiB
+blocks 32 KiB apart on both sides); its check includes the bytes between
+blocks (never written).  Repetitions are interleaved: each round runs the
+baseline copy once and every row once, so drift on a shared machine hits all
+of them alike; medians over the rounds.
+
 ``--transport tcp`` runs the same READs the way they travel between nodes:
 UCX restricted to its network transport (`TCP_ENV`: ``tcp`` on ``lo``, plus
 ``cuda_copy`` to stage VRAM; no ``cma``, shared memory or CUDA IPC, and no
@@ -72,6 +83,11 @@ class KVLayout:
     shuffled: bool = True
     dtype_bytes: int = 2
     tokens: int = 16
+    stride_blocks: int = 1  # blocks block_bytes * stride_blocks apart (1: adjacent)
+
+    @property
+    def stride(self) -> int:
+        return self.block_bytes * self.stride_blocks if self.stride_blocks > 1 else 0
 
     @property
     def block_bytes(self) -> int:
@@ -86,12 +102,14 @@ class KVLayout:
                 "per-layer-kv": 2 * self.layers}[self.arrangement]
 
     def num_blocks(self, payload: int) -> int:
-        return payload // (self.block_bytes * self.regions)
+        return payload // (self.block_bytes * self.stride_blocks * self.regions)
 
     def describe(self) -> str:
         order = "shuffled" if self.shuffled else "in order"
+        strided = f", strided {self.stride} B" if self.stride else ""
         return (f"{self.model}: {self.layers} layers x K/V x {self.kv_heads} KV heads x "
-                f"{self.head_size} x {self.tokens} tokens, bf16, {self.arrangement}, {order}")
+                f"{self.head_size} x {self.tokens} tokens, bf16, {self.arrangement}, {order}"
+                f"{strided}")
 
 
 # About 1, 512, 8,192 and 65,536 descriptors for each device's payload.
@@ -108,6 +126,11 @@ LAYOUTS: dict[str, tuple[KVLayout, ...]] = {
         KVLayout("Gemma-2-27B", 46, 16, 128, "per-layer"),
         KVLayout("Qwen2.5-7B", 28, 4, 128, "per-layer-kv"),
     ),
+}
+# --strided: 16 KiB blocks 32 KiB apart (half the payload read; the gaps never written)
+STRIDED = {
+    "cpu": KVLayout("Llama-3.2-1B TP4 rank", 16, 2, 64, "per-layer-kv", stride_blocks=2),
+    "cuda": KVLayout("Qwen2.5-7B", 28, 4, 128, "per-layer-kv", stride_blocks=2),
 }
 PAYLOAD = {"cpu": 256 * MiB, "cuda": 1024 * MiB}
 
@@ -135,6 +158,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transport", choices=("default", "tcp"), default="default",
                         help="tcp: UCX's network transport only, as between nodes (see TCP_ENV); "
                              "baseline: a socket copy between two processes")
+    parser.add_argument("--dst", choices=("device", "host"), default="device",
+                        help="host (cuda only): D's destination is pinned host memory, "
+                             "P's payload VRAM; baseline: a device-to-host copy")
+    parser.add_argument("--strided", action="store_true",
+                        help="add a row of strided regions (blocks 2x their size apart)")
     parser.add_argument("--idle-seconds", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=7)
 
@@ -162,6 +190,10 @@ def _run(args: argparse.Namespace) -> dict:
     device = args.device
     payload = (args.payload_mib * MiB) if args.payload_mib else PAYLOAD[device]
     kind = MemoryKind.VRAM if device == "cuda" else MemoryKind.DRAM
+    host_dst = getattr(args, "dst", "device") == "host"
+    if host_dst and device != "cuda":
+        raise SystemExit("bench nixl --dst host needs --device cuda")
+    d_kind = MemoryKind.DRAM if host_dst else kind
     defaults = NixlOptions()
     delay = defaults.progress_delay_us if args.progress_delay_us is None else args.progress_delay_us
     tcp = getattr(args, "transport", "default") == "tcp"
@@ -176,15 +208,15 @@ def _run(args: argparse.Namespace) -> dict:
             env |= {"UCX_PROTO_INFO": "y", "UCX_LOG_FILE": os.path.join(evidence, "ucx-%p.log")}
     saved_env = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # D is this process: before its agent (and UCX's context) starts
-    layouts = LAYOUTS[device]
+    layouts = LAYOUTS[device] + ((STRIDED[device],) if getattr(args, "strided", False) else ())
     views, plans = _views(layouts, payload)
     rng = np.random.default_rng(args.seed)
     tag = f"{os.getpid()}"
 
-    xp = _Arrays(device)
+    xp = _Arrays(device, host_dst)
     try:
-        result = _measure(args, device, payload, kind, options, layouts, views, plans, rng, tag,
-                          xp, env)
+        result = _measure(args, device, payload, kind, d_kind, options, layouts, views, plans,
+                          rng, tag, xp, env)
     finally:
         for k, v in saved_env.items():
             if v is None:
@@ -200,7 +232,8 @@ def _run(args: argparse.Namespace) -> dict:
         "reps": args.reps,
         "idle_cpu_percent_nixl_default": round(idle_default, 2),
         "options": {"progress_delay_us": delay, "num_threads": args.threads,
-                    "vram_ipc": vram_ipc, "transport": "tcp" if tcp else "default"},
+                    "vram_ipc": vram_ipc, "transport": "tcp" if tcp else "default",
+                    "dst": "host" if host_dst else "device"},
         "versions": _versions(),
         "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")} | env,
     }
@@ -212,8 +245,8 @@ def _run(args: argparse.Namespace) -> dict:
     return result
 
 
-def _measure(args, device, payload, kind, options, layouts, views, plans, rng, tag, xp,
-             env) -> dict:
+def _measure(args, device, payload, kind, d_kind, options, layouts, views, plans, rng, tag,
+             xp, env) -> dict:
     from kvhandoff.transports.base import KVRegion
     from kvhandoff.transports.nixl import NixlTransport, ReadSplit, runs_array
     from kvhandoff.transports.nixl.process import TransportProcess, pattern
@@ -224,42 +257,52 @@ def _measure(args, device, payload, kind, options, layouts, views, plans, rng, t
         d = NixlTransport(f"bench-D-{tag}", options)
         try:
             dst = xp.zeros(payload)
-            regions = [KVRegion(v.name, dst[v.offset:v.offset + v.num_blocks * v.block_bytes],
-                                v.num_blocks, v.block_bytes, kind, 0) for v in views]
+            regions = [KVRegion(v.name, dst[v.offset:v.offset + v.span], v.num_blocks,
+                                v.block_bytes, d_kind, 0, v.stride) for v in views]
             t0 = time.perf_counter()
             d.register(regions)
             registration_ms = (time.perf_counter() - t0) * 1e3
             peer = d.add_peer(p.metadata())
             p.add_peer(d.metadata())
             expected = xp.pattern(pattern, args.seed, payload)
-            copy_gbps = _baseline(xp, expected, dst, args.reps)
             socket_gbps = _socket_baseline(args.seed, payload, args.reps) if tcp else None
-            # cpu over tcp: the socket is the path's limit; cuda: the D2D copy stays the baseline
-            baseline = socket_gbps if (tcp and device == "cpu") else copy_gbps
-            rows = []
+            reads = []
             for layout, plan in zip(layouts, plans, strict=True):
                 nb = plan["num_blocks"]
                 order = rng.permutation(nb) if layout.shuffled else np.arange(nb)
-                runs = runs_array(order, np.arange(nb))
-                split = ReadSplit(runs, tuple((n, n) for n in plan["names"]))
-                moved = nb * layout.block_bytes * layout.regions
-                times, posts, verified, descs, path = [], [], True, 0, "nixl"
+                split = ReadSplit(runs_array(order, np.arange(nb)),
+                                  tuple((n, n) for n in plan["names"]))
                 _read_once(d, peer, split)  # warm-up: first-touch, connection, IPC mapping
-                for _ in range(args.reps):
+                reads.append({"order": order, "split": split, "times": [], "posts": [],
+                              "verified": True, "descs": 0, "path": "nixl"})
+            xp.copy(dst, expected)  # the baseline's warm-up
+            copies = []
+            for _ in range(args.reps):  # interleaved: one baseline copy, then every row once
+                copies.append(xp.copy(dst, expected))
+                for plan, r in zip(plans, reads, strict=True):
                     xp.clear(dst)
                     before, ipc_before = d.descriptors_posted, d.ipc_descriptors
-                    elapsed, posting = _read_once(d, peer, split)
-                    descs = d.descriptors_posted - before
-                    path = "cuda_ipc" if d.ipc_descriptors > ipc_before else "nixl"
-                    times.append(elapsed)
-                    posts.append(posting)
-                    verified &= xp.verify(dst, expected, [views[i] for i in plan["index"]],
-                                          order)
-                read_gbps = moved / statistics.median(times) / 1e9
+                    elapsed, posting = _read_once(d, peer, r["split"])
+                    r["descs"] = d.descriptors_posted - before
+                    r["path"] = "cuda_ipc" if d.ipc_descriptors > ipc_before else "nixl"
+                    r["times"].append(elapsed)
+                    r["posts"].append(posting)
+                    r["verified"] &= xp.verify(dst, expected, [views[i] for i in plan["index"]],
+                                               r["order"])
+            copy_gbps = payload / statistics.median(copies) / 1e9
+            # cpu over tcp: the socket is the path's limit; cuda: the copy stays the baseline
+            baseline = socket_gbps if (tcp and device == "cpu") else copy_gbps
+            rows = []
+            for layout, plan, r in zip(layouts, plans, reads, strict=True):
+                moved = plan["num_blocks"] * layout.block_bytes * layout.regions
+                descs = r["descs"]
+                read_gbps = moved / statistics.median(r["times"]) / 1e9
                 extra = {}
                 if socket_gbps is not None:
                     extra = {"socket_GBps": round(socket_gbps, 3),
                              "ratio_to_socket": round(read_gbps / socket_gbps, 4)}
+                if layout.stride:
+                    extra["stride"] = layout.stride
                 rows.append({
                     "layout": layout.describe(),
                     "descriptors": descs,
@@ -269,10 +312,11 @@ def _measure(args, device, payload, kind, options, layouts, views, plans, rng, t
                     "read_GBps": round(read_gbps, 3),
                     "baseline_GBps": round(baseline, 3),
                     "ratio": round(read_gbps / baseline, 4),
-                    "post_us_per_descriptor": round(statistics.median(posts) * 1e6 / descs, 4),
-                    "read_ms_median": round(statistics.median(times) * 1e3, 3),
-                    "verified": bool(verified),
-                    "path": path,
+                    "post_us_per_descriptor": round(statistics.median(r["posts"]) * 1e6 / descs,
+                                                    4),
+                    "read_ms_median": round(statistics.median(r["times"]) * 1e3, 3),
+                    "verified": bool(r["verified"]),
+                    "path": r["path"],
                 } | extra)
             idle_p = p.call("idle_cpu_percent", args.idle_seconds)
             idle_d = _idle_cpu_percent(args.idle_seconds)
@@ -283,6 +327,7 @@ def _measure(args, device, payload, kind, options, layouts, views, plans, rng, t
     return {
         "rows": rows,
         "baseline": ("socket copy between two processes" if tcp and device == "cpu"
+                     else "torch device-to-host copy into pinned memory" if xp.host_dst
                      else "torch device-to-device copy" if device == "cuda" else "numpy copy"),
         "copy_GBps": round(copy_gbps, 3),
         "registration_ms": round(registration_ms, 3),
@@ -397,12 +442,12 @@ def _views(layouts, payload):
     plans = []
     for n, layout in enumerate(layouts):
         nb = layout.num_blocks(payload)
-        size = nb * layout.block_bytes
+        size = nb * (layout.stride or layout.block_bytes)
         names, index = [], []
         for r in range(layout.regions):
             name = f"row{n}.region{r}"
             index.append(len(views))
-            views.append(RegionView(name, r * size, nb, layout.block_bytes))
+            views.append(RegionView(name, r * size, nb, layout.block_bytes, layout.stride))
             names.append(name)
         plans.append({"num_blocks": nb, "names": names, "index": index})
     return views, plans
@@ -421,13 +466,6 @@ def _read_once(d, peer, split) -> tuple[float, float]:
     if not c.ok or c.handle != handle:
         raise RuntimeError(f"bench READ failed: {c}")
     return t2 - t0, t1 - t0
-
-
-def _baseline(xp, src, dst, reps: int) -> float:
-    times = []
-    for _ in range(reps + 1):
-        times.append(xp.copy(dst, src))
-    return src_bytes(src) / statistics.median(times[1:]) / 1e9
 
 
 def src_bytes(a: Any) -> int:
@@ -467,7 +505,9 @@ def _targets(device: str, r: dict) -> dict:
     rows = r["rows"]
     out: dict[str, bool] = {"all_verified": all(x["verified"] for x in rows),
                             "idle_le_10pct": r["idle_cpu_percent"] <= 10.0}
-    if device == "cuda" and r["options"]["transport"] == "default":
+    if device == "cuda" and r["options"]["dst"] == "host":
+        out["ratio_ge_0.8_of_device_to_host_copy"] = all(x["ratio"] >= 0.8 for x in rows)
+    elif device == "cuda" and r["options"]["transport"] == "default":
         big = [x for x in rows if x["descriptor_bytes"] >= 256 * 1024]
         many = [x for x in rows if x["descriptors"] >= 8192]
         top = [x for x in rows if x["descriptors"] >= 60000]
@@ -488,10 +528,14 @@ def _targets(device: str, r: dict) -> dict:
 
 
 class _Arrays:
-    """The few array operations the bench needs, on numpy (cpu) or torch (cuda)."""
+    """The few array operations the bench needs, on numpy (cpu) or torch (cuda).
 
-    def __init__(self, device: str) -> None:
+    ``host_dst``: D's buffer is pinned host memory, the source VRAM (cuda only).
+    """
+
+    def __init__(self, device: str, host_dst: bool = False) -> None:
         self.device = device
+        self.host_dst = host_dst
         if device == "cuda":
             import torch
 
@@ -501,6 +545,8 @@ class _Arrays:
 
     def zeros(self, n: int):
         if self.device == "cuda":
+            if self.host_dst:
+                return self.torch.zeros(n, dtype=self.torch.uint8, pin_memory=True)
             return self.torch.zeros(n, dtype=self.torch.uint8, device="cuda:0")
         return np.zeros(n, dtype=np.uint8)
 
@@ -517,6 +563,7 @@ class _Arrays:
             a.fill(0)
 
     def copy(self, dst, src) -> float:
+        """Seconds for one copy of ``src`` into ``dst`` (device to device, or to host)."""
         if self.device == "cuda":
             self.torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -528,20 +575,30 @@ class _Arrays:
         return time.perf_counter() - t0
 
     def verify(self, dst, src, views, order: np.ndarray) -> bool:
+        """Each view's rows hold the source's rows ``order``; a strided view's bytes
+        between blocks are still zero."""
         if self.device == "cuda":
-            idx = self.torch.as_tensor(order, device="cuda:0")
+            torch = self.torch
+            if self.host_dst:
+                dst = dst.to("cuda:0")  # compare on the GPU: 1 GiB on the host is slow
+            idx = torch.as_tensor(order, device="cuda:0")
             for v in views:
-                size = v.num_blocks * v.block_bytes
-                got = dst[v.offset:v.offset + size].view(v.num_blocks, v.block_bytes)
-                want = src[v.offset:v.offset + size].view(v.num_blocks, v.block_bytes)
-                if not self.torch.equal(got, want.index_select(0, idx)):
+                pitch = v.stride or v.block_bytes
+                got = dst[v.offset:v.offset + v.num_blocks * pitch].view(v.num_blocks, pitch)
+                want = src[v.offset:v.offset + v.num_blocks * pitch].view(v.num_blocks, pitch)
+                if not torch.equal(got[:, :v.block_bytes],
+                                   want[:, :v.block_bytes].index_select(0, idx)):
+                    return False
+                if pitch > v.block_bytes and bool(got[:, v.block_bytes:].any()):
                     return False
             return True
         for v in views:
-            size = v.num_blocks * v.block_bytes
-            got = dst[v.offset:v.offset + size].reshape(v.num_blocks, v.block_bytes)
-            want = src[v.offset:v.offset + size].reshape(v.num_blocks, v.block_bytes)
-            if not np.array_equal(got, want[order]):
+            pitch = v.stride or v.block_bytes
+            got = dst[v.offset:v.offset + v.num_blocks * pitch].reshape(v.num_blocks, pitch)
+            want = src[v.offset:v.offset + v.num_blocks * pitch].reshape(v.num_blocks, pitch)
+            if not np.array_equal(got[:, :v.block_bytes], want[order, :v.block_bytes]):
+                return False
+            if pitch > v.block_bytes and got[:, v.block_bytes:].any():
                 return False
         return True
 

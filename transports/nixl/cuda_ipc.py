@@ -301,10 +301,17 @@ class Gatherer:
             for job in plan_jobs(pairs, np.asarray(remote_blocks, dtype=np.int64),
                                  np.asarray(local_blocks, dtype=np.int64)):
                 word = _word(job)
-                src = self._view(torch, dev, job.src, job.src_rows, job.block_bytes,
-                                 job.src_pitch, word)
-                dst = self._view(torch, dev, job.dst, job.dst_rows, job.block_bytes,
-                                 job.dst_pitch, word)
+                try:
+                    src = self._view(torch, dev, job.src, job.src_rows, job.block_bytes,
+                                     job.src_pitch, word)
+                    dst = self._view(torch, dev, job.dst, job.dst_rows, job.block_bytes,
+                                     job.dst_pitch, word)
+                except Exception as exc:
+                    # Nothing of this READ may still be copying when the caller hands it
+                    # to NIXL instead: wait for the jobs already launched.
+                    stream.synchronize()
+                    raise CudaIpcError(f"memory at {job.src:#x} -> {job.dst:#x} cannot be "
+                                       f"viewed on {dev}: {exc}") from None
                 ridx = torch.from_numpy(np.ascontiguousarray(job.remote)).to(dev)
                 lo = job.local
                 if len(lo) and lo[-1] - lo[0] == len(lo) - 1 and (np.diff(lo) == 1).all():

@@ -79,6 +79,7 @@ from kvhandoff.transports.base import (
 from . import wire
 from .agent import NixlOptions, create_agent
 from .cuda_ipc import (
+    CudaIpcError,
     Gatherer,
     GatherPair,
     GatherRead,
@@ -318,12 +319,15 @@ class NixlTransport:
                     device, pairs = gather
                     pending.xfers.append(self._gatherer.gather(
                         device, pairs, group.remote_blocks, group.local_blocks))
+                    self.descriptors_posted += group.descriptors
+                    self.ipc_descriptors += group.descriptors
+                    continue
+                except CudaIpcError as exc:  # memory torch cannot view in place: NIXL
+                    log.info("nixl.cuda_ipc_gather_refused", agent=self.name, peer=p.name,
+                             error=str(exc))
                 except Exception as exc:
                     pending.failure = pending.failure or self._failure(p, "failed post", exc)
                     break
-                self.descriptors_posted += group.descriptors
-                self.ipc_descriptors += group.descriptors
-                continue
             xfer = None
             lidx, ridx = group.indices()
             try:
