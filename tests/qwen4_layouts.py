@@ -347,7 +347,7 @@ DSA_LAYERS = tuple(i for i, kind in enumerate(LAYER_TYPES) if kind == "full_atte
 DSA_HEAD, DSA_INDEX_HEAD, DSA_BLOCK, INDEX_TOPK = 80, 32, 64, 64  # latent + rope; indexer key
 HOST_POOL_GIB = 1 / 64  # HiSparseConnector's host_pool_gib: D's host pool
 HS_NUM_BLOCKS = 256  # D's device pool (the resident window needs more than NUM_BLOCKS)
-HS_VARIANTS = tuple(Variant(m, False, t) for m in (0, 2) for t in (1, 2))
+HS_VARIANTS = (*(Variant(m, False, t) for m in (0, 2) for t in (1, 2)), SEED)  # and the seed's own
 
 
 def dsa_specs(v: Variant) -> dict[str, Any]:
@@ -467,3 +467,28 @@ def plan_hisparse(v: Variant, hisparse: bool, role: str | None = None,
     for c in configs:
         c.kv_cache_layout = layout.name
     return cfg, configs, generate_scheduler_kv_cache_config(configs)
+
+
+def allocate_hisparse(kvc: Any) -> tuple[dict, Any, Any]:
+    """D's tensors as vLLM's HiSparse allocator builds them (``v1/hisparse/binding.py:
+    allocate_hisparse_kv_caches``), zeroed: ``(layer -> view, device buffer, host pool)``
+    as int8 tensors.  Only the pinned host allocation is stood in: ``HiSparseHostPool.
+    allocate`` pins with CUDA, here it is plain host memory."""
+    import torch
+    from vllm.v1.hisparse.binding import allocate_hisparse_kv_caches
+    from vllm.v1.kv_cache_interface import KVCacheLayout
+
+    class HostPool:  # HiSparseHostPool.allocate, unpinned
+        def allocate(self, size: int) -> Any:
+            self.backing = torch.zeros(size, dtype=torch.int8)
+            return self.backing
+
+    pool = HostPool()
+    sizes = [g.kv_cache_spec.block_size for g in kvc.kv_cache_groups]
+    views = allocate_hisparse_kv_caches(kvc, torch.device("cpu"),
+                                        KVCacheLayout[kvc.kv_cache_layout], sizes, pool)
+    host = pool.backing.untyped_storage().data_ptr()
+    (device,) = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in views.values()
+                 if t.untyped_storage().data_ptr() != host}.values()
+    return views, torch.empty(0, dtype=torch.int8).set_(device), pool.backing
+

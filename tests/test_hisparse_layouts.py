@@ -219,12 +219,13 @@ def test_a_p_that_does_not_pair_is_refused_naming_the_field(planned, monkeypatch
         check_compatible(_compat(d), _compat(CacheLayout.from_wire(p.to_wire())), "P")
 
 
-def test_the_connector_still_refuses_a_host_pool_at_start_up(planned):
-    """Nothing lands bytes in a host pool yet: without ``host_pools`` (the connector's
-    start-up) D's HiSparse config is refused naming the group and the field."""
+def test_a_layout_without_host_pools_refuses_one_naming_the_group(planned):
+    """Without ``host_pools`` (P's start-up: P is read from the device) a HiSparse config
+    is refused naming the group and the field."""
     _, configs, sched = planned[q.HS_VARIANTS[0], True]
     for kvc in (*configs, sched):
-        with pytest.raises(UnsupportedTopology, match=r"KV cache group 0: host_resident=True"):
+        with pytest.raises(UnsupportedTopology, match=r"KV cache group 0: host_resident=True "
+                           r"is not supported on P"):
             cache_layout(kvc)
 
 

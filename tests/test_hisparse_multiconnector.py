@@ -7,11 +7,9 @@ vLLM's ``Scheduler`` and ``KVCacheManager`` run without a model (fake
 
 What runs here and where it stops:
 
-* Today `KVHandoffConnector` refuses D's host pool at start-up, inside
-  ``MultiConnector.__init__`` (``multi_connector.py:189``): `UnsupportedTopology`, before
-  anything needs CUDA.
-* With that refusal lifted (the test stands in ``host_pools=True`` for the data path that
-  does not exist yet), vLLM's scheduler side of the hand-over runs entirely on CPU:
+* `KVHandoffConnector` maps D's host pool at start-up, inside ``MultiConnector.__init__``
+  (``multi_connector.py:189``), and refuses a host pool on P (P runs HiSparse off).
+* vLLM's scheduler side of the hand-over runs entirely on CPU:
   ``HiSparseSourceManager`` records the pending host import at allocation, the resident
   groups reserve the tail page only, and the ``finished_recving`` D's connector reports
   reaches ``HiSparseConnector.update_connector_output``, whose ``finish_host_import`` /
@@ -25,8 +23,6 @@ What runs here and where it stops:
 """
 
 from __future__ import annotations
-
-import functools
 
 import pytest
 
@@ -68,17 +64,6 @@ def _scheduler(tmp_path, hisparse: bool):
     return s, hash_block_size
 
 
-@pytest.fixture
-def host_pools_accepted(monkeypatch):
-    """Stand-in for the data path into a host pool (not built): the connector's start-up
-    maps D's host pool (`cache_layout(..., host_pools=True)`) instead of refusing it."""
-    from kvhandoff.adapters.vllm import connector
-    from kvhandoff.adapters.vllm.layout import cache_layout
-
-    monkeypatch.setattr(connector, "cache_layout", functools.partial(cache_layout,
-                                                                     host_pools=True))
-
-
 def _export_from_p(tmp_path) -> dict:
     s, hbs = _scheduler(tmp_path, hisparse=False)
     finished = []
@@ -102,17 +87,28 @@ def _export_from_p(tmp_path) -> dict:
     return params
 
 
-def test_kvhandoff_refuses_the_host_pool_inside_the_composition_before_cuda():
+def test_the_composition_starts_on_d_and_a_host_pool_on_p_is_refused():
+    """D: ``MultiConnector(KVHandoffConnector, HiSparseConnector)`` builds, and kvhandoff's
+    layout has the host pool's group.  P: the same host-pool config as a producer is
+    refused at start-up, naming the group (P is read from the device)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    from kvhandoff.adapters.vllm.connector import KVHandoffConnector
+    from kvhandoff.core.groups import Memory
 
     cfg, _, sched = q.plan_hisparse(V, True, role="kv_consumer", engine_id="D-hs")
     children = [c["kv_connector"] for c in cfg.kv_transfer_config.kv_connector_extra_config[
         "connectors"]]
     assert children == ["KVHandoffConnector", "HiSparseConnector"]
+    kvh, _ = MultiConnector(cfg, KVConnectorRole.SCHEDULER, sched)._connectors
+    assert [{r.memory for r in g.regions} for g in kvh.layout.groups] == [{Memory.HOST},
+                                                                          {Memory.DEVICE}]
+    cfg, _, sched = q.plan_hisparse(V, True, role="kv_producer", engine_id="P-hs")
+    cfg.kv_transfer_config.kv_connector = "KVHandoffConnector"
     with pytest.raises(UnsupportedTopology, match=r"KVHandoffConnector cannot serve this "
-                       r"engine: KV cache group 0: host_resident=True is not supported"):
-        MultiConnector(cfg, KVConnectorRole.SCHEDULER, sched)
+                       r"engine: KV cache group 0: host_resident=True is not supported on P"):
+        KVHandoffConnector(cfg, KVConnectorRole.SCHEDULER, sched)
 
 
 def _d_admits(tmp_path, params):
@@ -131,7 +127,7 @@ def _d_admits(tmp_path, params):
     return s, req, out, coordinator
 
 
-def test_vllm_s_scheduler_hands_the_import_to_hisparse(tmp_path, host_pools_accepted):
+def test_vllm_s_scheduler_hands_the_import_to_hisparse(tmp_path):
     from vllm.v1.kv_cache_interface import HiSparseResidentSpec
 
     params = _export_from_p(tmp_path)
@@ -166,7 +162,7 @@ def test_vllm_s_scheduler_hands_the_import_to_hisparse(tmp_path, host_pools_acce
     assert rid in out.num_scheduled_tokens  # and vLLM schedules the request's own step
 
 
-def test_a_failed_import_leaves_the_history_invalid(tmp_path, host_pools_accepted):
+def test_a_failed_import_leaves_the_history_invalid(tmp_path):
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
     params = _export_from_p(tmp_path)
@@ -182,7 +178,7 @@ def test_a_failed_import_leaves_the_history_invalid(tmp_path, host_pools_accepte
     assert not coordinator.spills_to_send
 
 
-def test_d_admits_the_export_of_a_split_group(tmp_path, host_pools_accepted):
+def test_d_admits_the_export_of_a_split_group(tmp_path):
     """P's one vLLM group of sparse and indexer layers is two groups on the wire, both
     naming the same block ids: D admits it (ids are distinct within a group)."""
     params = _export_from_p(tmp_path)

@@ -384,12 +384,21 @@ class RemoteWorker:
 # ---- a Qwen4-exp-shaped host: vLLM-planned tensors (tests/qwen4_plans.json) ----------
 
 
-def _qwen4_plan(variant: tuple[int, bool, int], rank: int) -> tuple[Any, Any]:
-    """``(layout, alloc)`` of one rank of the Qwen4-exp variant ``(mtp, apc, tp)``."""
+def _qwen4_plan(name: str, rank: int) -> tuple[Any, Any]:
+    """``(layout, alloc)`` of one rank of a Qwen4-exp variant (`qwen4_layout_name`), or of
+    the DSA-shaped stack's P with HiSparse off (`hisparse_p_layout_name`), planned by vLLM
+    here and allocated by its own allocator."""
     import qwen4_layouts as q
 
+    if name.startswith("hisparse-p:"):
+        from kvhandoff.adapters.vllm.layout import cache_layout
+
+        _, configs, _ = q.plan_hisparse(q.Variant(*json.loads(name.removeprefix(
+            "hisparse-p:"))), False)
+        return (cache_layout(configs[rank]),
+                lambda device, seed=None: q.allocate(configs[rank], device, seed))
     data = json.loads((Path(__file__).parent / q.FIXTURE).read_text())
-    return q.load_plan(data, q.Variant(*variant), rank)
+    return q.load_plan(data, q.Variant(*json.loads(name.removeprefix("qwen4:"))), rank)
 
 
 class _Qwen4Host(_Host):
@@ -401,11 +410,10 @@ class _Qwen4Host(_Host):
         from kvhandoff.adapters.vllm.worker import HandoffWorker
         from kvhandoff.core.events import Side
 
-        variant = tuple(json.loads(spec.layout.removeprefix("qwen4:")))
         self.workers, self.buffers = {}, {}
         side = Side.P if spec.side == "P" else Side.D
         for rank in range(spec.tp_size):
-            layout, alloc = _qwen4_plan(variant, rank)
+            layout, alloc = _qwen4_plan(spec.layout, rank)
             cfg = HandoffConfig.from_extra(spec.extra, env=dict(os.environ))
             compat_ = {"model": "q4", "tp_size": spec.tp_size}
             w = HandoffWorker(cfg, spec.engine_id, side, rank, spec.tp_size, compat_)
@@ -421,6 +429,11 @@ class _Qwen4Host(_Host):
 def qwen4_layout_name(mtp: int, prefix_caching: bool, tp: int) -> str:
     """`HostSpec.layout` of a Qwen4-exp host (`Qwen4HostProcess`)."""
     return "qwen4:" + json.dumps([mtp, prefix_caching, tp])
+
+
+def hisparse_p_layout_name(mtp: int, tp: int) -> str:
+    """`HostSpec.layout` of a P with HiSparse off on the DSA-shaped stack (issue #16)."""
+    return "hisparse-p:" + json.dumps([mtp, False, tp])
 
 
 def _qwen4_host_main(conn: Any, spec: HostSpec) -> None:

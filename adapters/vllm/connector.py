@@ -3,10 +3,11 @@
 vLLM builds one instance in the scheduler (role SCHEDULER) and one per worker
 (role WORKER); each forwards to `HandoffScheduler` or `HandoffWorker`.
 Topologies the connector cannot serve are refused here, at engine start-up:
-pipeline parallelism, decode/prefill context parallelism, ``kv_both``, MLA,
-and cache groups other than full attention, sliding window and Mamba state
-(`adapters.vllm.layout`).  Hybrid models (several KV cache groups) are
-served: the connector subclasses ``SupportsHMA``.
+pipeline parallelism, decode/prefill context parallelism, ``kv_both``, a
+host pool on P, and the cache specs `adapters.vllm.layout` cannot map.
+Hybrid models (several KV cache groups) are served: the connector subclasses
+``SupportsHMA``.  MLA is served with P's and D's TP equal (the handshake
+checks it): every rank holds the whole latent KV and reads its own peer's.
 """
 
 from __future__ import annotations
@@ -135,9 +136,6 @@ def _check_topology(vllm_config: VllmConfig, kv_cache_config: Any) -> CacheLayou
         problems.append(f"kv_role={kvt.kv_role!r} (kv_producer on P, kv_consumer on D)")
     if not kvt.engine_id:
         problems.append("kv_transfer_config.engine_id is empty")
-    model = vllm_config.model_config
-    if model is not None and getattr(model, "use_mla", False):
-        problems.append("MLA attention (not supported yet)")
     layout = None
     if kv_cache_config is None:
         problems.append("no kv_cache_config (vLLM >= 0.32 passes one to connectors)")
@@ -145,8 +143,10 @@ def _check_topology(vllm_config: VllmConfig, kv_cache_config: Any) -> CacheLayou
         try:
             # The draft configuration is compared at the handshake: the engine's own count
             # (a model without state groups has no scratch slots to read it from).
+            # D reads into a HiSparse host pool; P's caches are read from the device.
             layout = cache_layout(kv_cache_config,
-                                  getattr(vllm_config, "num_speculative_tokens", None))
+                                  getattr(vllm_config, "num_speculative_tokens", None),
+                                  host_pools=kvt.kv_role == "kv_consumer")
         except UnsupportedTopology as exc:
             problems.append(str(exc))
     if problems:

@@ -15,8 +15,8 @@ must read alike (`core.groups.KIND_READS`).  What the connector cannot serve
 is refused here, at engine start-up, with `UnsupportedTopology` naming the
 group, the spec and the field: specs not in the table, windows that retain
 extra tokens, Mamba prefill checkpoint slots, and host-resident groups and
-tensors unless the caller asks for host pools (``host_pools=True``; the
-connector does not: no data path lands bytes in a host pool yet).
+tensors unless the caller asks for host pools (``host_pools=True``: the
+connector does on D, where READs land in the pool; P is read from the device).
 
 HiSparse (vLLM 0.32, D only): the source group (a DSA model's ``SPARSE``
 MLA layers) lives in a host pool of its own (``hisparse_host_num_blocks``
@@ -253,8 +253,8 @@ def _host_pool(kv_cache_config: Any, groups: list[tuple[int, Any]], host_pools: 
     if not host_pools:
         where = (f"KV cache group {host[0]}: host_resident=True" if host
                  else f"kv_cache_tensors[{tensors[0]}].host_resident=True")
-        raise UnsupportedTopology(f"{where} is not supported (HiSparse host pools: no data path "
-                                  "lands bytes in a host pool yet)")
+        raise UnsupportedTopology(f"{where} is not supported on P (a HiSparse host pool is "
+                                  "D's: P runs HiSparse off and is read from the device)")
     num = getattr(kv_cache_config, "hisparse_host_num_blocks", None)
     if len(host) != 1 or not num:
         raise UnsupportedTopology(f"host-resident KV cache groups {host} with "

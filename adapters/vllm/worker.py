@@ -221,7 +221,9 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         layout goes into the handshake, where D checks P's group by group.
         """
         try:
-            regions = kv_regions(kv_caches, layout)
+            # A host pool shared by the local TP ranks: rank 0 registers and reads it.
+            regions = kv_regions(kv_caches, layout,
+                                 host_pool=self.rank == 0 or not layout.shared_host_pool)
         except RegionMismatch as exc:
             raise UnsupportedTopology(f"KV caches do not match their layout: {exc}") from None
         self.layout, self.backoff = layout, prefill_backoff(layout)
