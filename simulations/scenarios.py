@@ -14,7 +14,11 @@ The ``hybrid_*`` scenarios run a hybrid model (docs/hybrid.md): every
 request is a full-attention group, a sliding-window group and a Mamba state
 group, one READ per (rank, group) that needs a read.  The ``qwen4_*``
 scenarios run the seed model's five cache owners (`_qwen4`: QSA main KV,
-compressed keys, key ring, GDN state, the TP-replicated PLE state).
+compressed keys, key ring, GDN state, the TP-replicated PLE state).  The
+``hisparse_*`` scenarios run a DSA model with HiSparse on D (`_hisparse`: the
+sparse MLA KV in D's host pool, the indexer on its GPU; one host-pool split and
+one indexer split per D rank, or, with the pool shared by D's ranks, the host
+split on D rank 0 alone).
 
 docs/simulation.md describes each scenario; keep the two in step.
 """
@@ -528,8 +532,8 @@ def _hisparse_cancel_host(cfg: RunConfig, rng: random.Random) -> None:
 
 @scenario("hisparse_tp2_shared_pool",
           "HiSparse on D at TP 2 on both sides with one host pool for D's ranks: D rank 0 "
-          "alone reads it (0.05-1 lease), D rank 1 reads only its indexer split (0-20 % "
-          "fail) and P rank 1 frees after it, never waiting for the host-pool READ")
+          "alone reads it (0.05-1 lease), D rank 1 reads only its indexer split (0-20 % of "
+          "indexer READs fail) and P rank 1 frees after it, never waiting for the host-pool READ")
 def _hisparse_tp2_shared(cfg: RunConfig, rng: random.Random) -> None:
     """TP 2 → 2, ``hisparse_shared_host_pool``.  What P rank 1 holds of the sparse MLA
     group is never read (D rank 0 reads P rank 0's: MLA's KV is alike on every rank, which
