@@ -492,3 +492,120 @@ def allocate_hisparse(kvc: Any) -> tuple[dict, Any, Any]:
                  if t.untyped_storage().data_ptr() != host}.values()
     return views, torch.empty(0, dtype=torch.int8).set_(device), pool.backing
 
+
+
+# ---- HiSparse plans as data: the worker pair on the H200 (issue #16), no vLLM there ----------
+
+HS_FIXTURE = "hisparse_plans.json"
+HS_BYTES_VARIANTS = (Variant(2, True, 1), SEED)
+
+
+def _layout_locals(layout: Any) -> dict[str, Any]:
+    """What `CacheLayout.to_wire` leaves out, as the engine knows it: each region's offset,
+    pool and block stride; how vLLM's groups map to the layout's; the host pool's geometry."""
+    return {
+        "regions": [[[r.offset, r.memory.value, r.stride] for r in g.regions]
+                    for g in layout.groups],
+        "source_groups": list(layout.source_groups),
+        "num_source_groups": layout.num_source_groups,
+        "host_block_stride": layout.host_block_stride,
+        "shared_host_pool": layout.shared_host_pool,
+    }
+
+
+def _with_locals(wire: dict[str, Any], local: dict[str, Any]) -> Any:
+    """The layout `_layout_locals` was taken from: ``wire`` parsed, the local fields put back."""
+    import dataclasses
+
+    from kvhandoff.core.groups import CacheLayout, Memory
+
+    layout = CacheLayout.from_wire(wire)
+    groups = tuple(dataclasses.replace(g, regions=tuple(
+        dataclasses.replace(r, offset=offset, memory=Memory(memory), stride=stride)
+        for r, (offset, memory, stride) in zip(g.regions, regions, strict=True)))
+        for g, regions in zip(layout.groups, local["regions"], strict=True))
+    return dataclasses.replace(
+        layout, groups=groups, source_groups=tuple(local["source_groups"]),
+        num_source_groups=local["num_source_groups"],
+        host_block_stride=local["host_block_stride"], shared_host_pool=local["shared_host_pool"])
+
+
+def _view_spec(t: Any, base: int) -> list:
+    return [t.data_ptr() - base, list(t.shape), list(t.stride()), str(t.dtype)]
+
+
+def export_hisparse_plans() -> dict[str, Any]:
+    """What the HiSparse worker-pair test needs of vLLM's plans, per variant and rank.
+
+    P (HiSparse off): the layout (wire form and local fields), the allocation's size and
+    every layer's view (start, shape, strides, dtype).  D (HiSparse on, vLLM's HiSparse
+    allocator): the layout (wire form and local fields: pools, offsets, strides), the
+    device buffer's and the host pool's sizes, and every transferred layer's view with the
+    allocation it is in (``device`` or ``host``)."""
+    from kvhandoff.adapters.vllm.layout import cache_layout
+
+    out: dict[str, Any] = {}
+    for v in HS_BYTES_VARIANTS:
+        _, p_configs, _ = plan_hisparse(v, False)
+        _, d_configs, _ = plan_hisparse(v, True)
+        ranks = []
+        for p_kvc, d_kvc in zip(p_configs, d_configs, strict=True):
+            p_layout = cache_layout(p_kvc)
+            views, raw = allocate(p_kvc)
+            p = {"layout": p_layout.to_wire(), "local": _layout_locals(p_layout),
+                 "size": raw.numel(),
+                 "views": {k: _view_spec(t, raw.data_ptr()) for k, t in views.items()}}
+            d_layout = cache_layout(d_kvc, host_pools=True)
+            views, device, host = allocate_hisparse(d_kvc)
+            pools = {device.data_ptr(): "device", host.data_ptr(): "host"}
+            d_views = {}
+            for layer in (x for g in d_layout.groups for x in g.layers):
+                t = views[layer]
+                base = t.untyped_storage().data_ptr()
+                d_views[layer] = [pools[base], *_view_spec(t, base)]
+            d = {"layout": d_layout.to_wire(), "local": _layout_locals(d_layout),
+                 "device_size": device.numel(), "host_size": host.numel(), "views": d_views}
+            ranks.append({"p": p, "d": d})
+        out[v.name] = {"variant": [v.mtp, v.prefix_caching, v.tp], "ranks": ranks}
+    return out
+
+
+def _typed_view(buf: Any, spec: list) -> Any:
+    import torch
+
+    start, shape, stride, dtype = spec
+    typed = buf.view(getattr(torch, dtype.removeprefix("torch.")))
+    return typed.as_strided(shape, stride, start // typed.element_size())
+
+
+def load_hisparse_plan(data: dict[str, Any], v: Variant, rank: int) -> tuple[tuple, tuple]:
+    """``((P's layout, P's alloc(device, seed)), (D's layout, D's alloc(device)))`` of one
+    rank, from `export_hisparse_plans`' data, the layouts' local fields included.
+
+    P's alloc returns ``(views, raw)``: one int8 buffer on ``device``, random bytes from
+    ``seed`` when given.  D's returns ``(views, device buffer, host pool)``, zeroed: the
+    device buffer on ``device``, the host pool in host memory, pinned when ``device`` is
+    CUDA (as ``HiSparseHostPool.allocate`` pins it)."""
+    import torch
+
+    r = data[v.name]["ranks"][rank]
+    p, d = r["p"], r["d"]
+
+    def p_alloc(device: str, seed: int | None = None) -> tuple[dict, Any]:
+        raw = torch.zeros(p["size"], dtype=torch.int8)
+        if seed is not None:
+            gen = torch.Generator().manual_seed(seed)
+            raw = torch.randint(-128, 128, raw.shape, generator=gen, dtype=torch.int8)
+        raw = raw.to(device)
+        return {k: _typed_view(raw, spec) for k, spec in p["views"].items()}, raw
+
+    def d_alloc(device: str) -> tuple[dict, Any, Any]:
+        buf = torch.zeros(d["device_size"], dtype=torch.int8, device=device)
+        host = torch.zeros(d["host_size"], dtype=torch.int8,
+                           pin_memory=torch.device(device).type == "cuda")
+        pools = {"device": buf, "host": host}
+        views = {k: _typed_view(pools[pool], spec) for k, (pool, *spec) in d["views"].items()}
+        return views, buf, host
+
+    return ((_with_locals(p["layout"], p["local"]), p_alloc),
+            (_with_locals(d["layout"], d["local"]), d_alloc))

@@ -260,3 +260,39 @@ def test_d_registers_each_layer_s_blocks_where_vllm_s_views_are(planned, v):
         expect = {r.name for g in layout.groups for r in g.regions
                   if g.index == 1 or rank == 0 or not layout.shared_host_pool}
         assert {r.name for r in shared} == expect
+
+
+def test_the_worker_pair_s_fixture_is_what_vllm_plans_now(planned):
+    """`test_hisparse_worker_pair.py` runs from `tests/hisparse_plans.json` (no vLLM on the
+    GPU machine): it must be exactly what vLLM 0.32 plans here, and the layouts it rebuilds
+    must equal `cache_layout`'s, the fields never on the wire included (each region's pool,
+    offset and stride, the host pool's geometry, vLLM's group indices)."""
+    import json
+    from pathlib import Path
+
+    saved = json.loads((Path(__file__).parent / q.HS_FIXTURE).read_text())
+    assert json.loads(json.dumps(q.export_hisparse_plans(), sort_keys=True)) == saved
+    assert [tuple(x["variant"]) for x in saved.values()] == [
+        (v.mtp, v.prefix_caching, v.tp) for v in q.HS_BYTES_VARIANTS]
+    for v in q.HS_BYTES_VARIANTS:
+        _, p_configs, _ = planned.get((v, False)) or q.plan_hisparse(v, False)
+        _, d_configs, _ = planned.get((v, True)) or q.plan_hisparse(v, True)
+        for rank in range(v.tp):
+            (p, _), (d, d_alloc) = q.load_hisparse_plan(saved, v, rank)
+            for got, want in ((p, cache_layout(p_configs[rank])),
+                              (d, cache_layout(d_configs[rank], host_pools=True))):
+                assert dataclasses.astuple(got) == dataclasses.astuple(want)  # every field
+                assert (got.source_groups, got.num_source_groups, got.host_block_stride,
+                        got.shared_host_pool) == (want.source_groups, want.num_source_groups,
+                                                  want.host_block_stride, want.shared_host_pool)
+            assert {r.memory for r in d.groups[0].regions} == {Memory.HOST}
+            # The rebuilt views sit where vLLM's allocator puts them, in the same pool.
+            views, device, host = d_alloc("cpu")
+            vllm_views, bases, vllm_host = _vllm_views(d_configs[rank])
+            assert set(views) == {x for g in d.groups for x in g.layers}
+            for layer, t in views.items():
+                want = vllm_views[layer]
+                pool = host if bases[layer] == vllm_host else device
+                assert t.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr()
+                assert (t.data_ptr() - pool.data_ptr(), t.shape, t.stride(), t.dtype) == (
+                    want.data_ptr() - bases[layer], want.shape, want.stride(), want.dtype)
