@@ -349,6 +349,13 @@ class DecodeEngine:
         for d in range(len(self.agents)):
             plan = plan_group_reads(self.remote_layouts[d], self.layouts[d], imp.remote_lists,
                                     lists, imp.params.num_tokens, rank=d // k, local_rank=d)
+            if plan.notify_only:  # rank 0 reads the shared pool, D holds this rank's rest:
+                # one empty split, drained at once, as the connector posts it
+                self.engines[d].reads_posted(rid, now, (d // k,))
+                self.engines[d].split_done(rid, 0, now)
+                imp.rank_open[d] = 1
+                self._group_read_landed(rid, d)
+                continue
             imp.reads.extend((d, read) for read in plan.reads)
             self.engines[d].reads_posted(rid, now, tuple(read.rank for read in plan.reads),
                                          tuple(read.group for read in plan.reads))

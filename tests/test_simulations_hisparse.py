@@ -12,6 +12,7 @@ rank posted, when P frees against when the splits drained, which bytes were read
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 from test_simulations_hybrid import _by_stream, _frees_follow_every_split, _split_ends, events
@@ -254,3 +255,31 @@ def test_tp2_d_rank_1_never_waits_for_the_shared_pool_and_p_rank_1_frees_after_i
                     assert concluded[rid][0] >= max(host, indexer)
             assert world.net.stats.bytes_read == moved
         assert early, policy
+
+
+def test_a_d_rank_with_nothing_of_its_own_to_read_posts_one_empty_split_and_releases():
+    """A shared pool where D holds the indexer's blocks already (half the requests): D rank
+    1 has no group to read, so it posts one empty split drained at once (as the connector
+    does for a plan with no reads) and its P rank is released without waiting for D rank
+    0's host-pool READ; nothing is stuck, leaked or refused."""
+    for policy in POLICIES:
+        empty = 0
+        for seed in range(3):
+            cfg = build("hisparse_tp2_shared_pool", seed, policy)
+            cfg.groups = (cfg.groups[SPARSE], replace(cfg.groups[INDEXER], held_by_d=0.5))
+            result = World(cfg).run(on_step=World.check_safety if policy == "kvhandoff"
+                                    else None)
+            m = result.metrics
+            assert m["stuck"] == m["leaks"] == m["refused_events"] == m["lease_expiries"] == 0
+            _frees_follow_every_split(result)
+            freed = {(e["rid"], e["rank"]): e["t"] for e in events(result.p_log)
+                     if e["type"] == "freed"}
+            d = _by_stream(events(result.d_log))
+            for (rid, d_rank), history in d.items():
+                posted = next((e for e in history if e["type"] == "reads_posted"), None)
+                if d_rank != 1 or posted is None or posted["split_groups"]:
+                    continue
+                assert posted["split_ranks"] == [1]
+                assert _split_ends(history)[0]["t"] == posted["t"], "drained at once"
+                empty += freed[(rid, 1)] < _split_ends(d[(rid, 0)])[0]["t"]
+        assert empty, policy
