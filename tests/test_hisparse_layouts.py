@@ -40,25 +40,12 @@ def _compat(layout: CacheLayout) -> dict:
 
 
 def _vllm_views(kvc) -> tuple[dict, dict, int]:
-    """vLLM's own HiSparse allocation of ``kvc`` on CPU: ``(layer -> view, layer -> base)``,
-    base the start of the view's backing allocation (device buffer or host pool).  Only the
-    pinned host allocation is stood in (``HiSparseHostPool.allocate`` pins with CUDA)."""
-    from vllm.v1.hisparse.binding import allocate_hisparse_kv_caches
-    from vllm.v1.kv_cache_interface import KVCacheLayout
-
-    class HostPool:  # HiSparseHostPool.allocate, unpinned
-        def allocate(self, size: int):
-            self.backing = torch.zeros(size, dtype=torch.int8)
-            return self.backing
-
-    pool = HostPool()
-    sizes = [g.kv_cache_spec.block_size for g in kvc.kv_cache_groups]
-    views = allocate_hisparse_kv_caches(kvc, torch.device("cpu"),
-                                        KVCacheLayout[kvc.kv_cache_layout], sizes, pool)
-    host = pool.backing.untyped_storage().data_ptr()
-    device = {t.untyped_storage().data_ptr() for t in views.values()} - {host}
-    assert len(device) == 1  # one device buffer, one host pool
-    return views, {k: t.untyped_storage().data_ptr() for k, t in views.items()}, host
+    """vLLM's own HiSparse allocation of ``kvc`` on CPU (`qwen4_layouts.allocate_hisparse`):
+    ``(layer -> view, layer -> base, host pool base)``, base the start of the view's backing
+    allocation (device buffer or host pool)."""
+    views, _, pool = q.allocate_hisparse(kvc)
+    return (views, {k: t.untyped_storage().data_ptr() for k, t in views.items()},
+            pool.untyped_storage().data_ptr())
 
 
 def _row(view) -> int:

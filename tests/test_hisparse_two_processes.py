@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import os
 import random
-import time
 
 import pytest
-from conftest import poll_pause
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
+import handoff_checks as hc  # noqa: E402
 import qwen4_layouts as q  # noqa: E402
 import two_hosts as th  # noqa: E402
 
@@ -43,19 +42,13 @@ PROMPT = 300  # 5 blocks of 64 tokens
 VARIANT = {1: q.Variant(2, True, 1), 2: q.SEED}  # MTP 2 and prefix caching, as the seed runs
 
 
-def _bytes(t):
-    return t.contiguous().view(-1).view(torch.uint8)
-
-
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2-shared-pool"])
 def test_d_s_host_pool_and_device_groups_every_byte_one_completion(tmp_path, tp):
     from kvhandoff.adapters.vllm.config import HandoffConfig
     from kvhandoff.adapters.vllm.layout import cache_layout
-    from kvhandoff.adapters.vllm.metadata import Admit, Export, Read, StepPlan
     from kvhandoff.adapters.vllm.params import RemotePrefill
     from kvhandoff.adapters.vllm.worker import HandoffWorker
     from kvhandoff.core.events import Side
-    from kvhandoff.core.log import read_log
 
     v = VARIANT[tp]
     port = th.free_port_pair("127.0.0.1", tp)
@@ -93,53 +86,13 @@ def test_d_s_host_pool_and_device_groups_every_byte_one_completion(tmp_path, tp)
         d_ids = [rng.sample(range(1, g.num_blocks), blocks) for g in layout.groups]
         params = RemotePrefill("P-hs", "q1", "127.0.0.1", port, tp, p_ids, n, LEASE,
                                token="tok").to_wire()
-        for pr in p:
-            pr.start_step(StepPlan(prefill_started=["q1"]))
-            pr.finish_step()
-            pr.start_step(StepPlan(exports=[Export("q1", blocks, "tok")]))
-            pr.finish_step()
-        for d, *_ in d_ranks:
-            d.start_step(StepPlan(admits=[Admit("Q1", params, "", PROMPT)],
-                                  reads=[Read("Q1", d_ids)]))
-        sent, recved, failed = set(), set(), set()
-        deadline = time.monotonic() + 60
-        want_sent = {(r, "q1") for r in range(tp)}
-        want_recved = {(r, "Q1") for r in range(tp)}
-        while not (want_sent <= sent and want_recved <= recved):
-            assert time.monotonic() < deadline, (sent, recved, failed)
-            for r in range(tp):
-                s, _, _ = p[r].finish_step()
-                _, got, f = d_ranks[r][0].finish_step()
-                now_s, now_r = {(r, x) for x in s}, {(r, x) for x in got}
-                assert not (now_s & sent) and not (now_r & recved), "reported twice"
-                sent |= now_s
-                recved |= now_r
-                failed |= {(r, x) for x in f}
-            poll_pause(0.002)
-        assert failed == set()
+        hc.start_hand_off(p, [d for d, *_ in d_ranks], params, d_ids, blocks, PROMPT)
+        hc.step_until_handed_off(p, [d for d, *_ in d_ranks])
         for r, (d, d_layout, views, device, host) in enumerate(d_ranks):
-            reads_pool = r == 0 or not d_layout.shared_host_pool
             p_views, p_raw = q.allocate(p_configs[r], "cpu")
             p_raw.copy_(torch.frombuffer(bytearray(p_host.raw(r)), dtype=torch.int8))
-            assert p_raw.abs().sum().item()  # P's bytes are random
-            for g in d_layout.groups:
-                if in_host_pool(g) and not reads_pool:
-                    continue
-                for layer in g.layers:
-                    for rb, lb in zip(p_ids[g.index], d_ids[g.index], strict=True):
-                        got, want = _bytes(views[layer][lb]), _bytes(p_views[layer][rb])
-                        assert torch.equal(got, want), (r, g.index, layer, rb, lb)
-                        views[layer][lb].zero_()  # checked: what is left must be zero
-            assert not device.abs().sum().item(), f"rank {r}: device bytes outside the plan"
-            assert not host.abs().sum().item(), f"rank {r}: host-pool bytes outside the plan"
-            events = [e for e in read_log(d.flush()) if e.request_id == "q1"]
-            posted = next(e for e in events if e.kind == "reads_posted")
-            groups = [0, 1] if reads_pool else [1]  # a shared pool: rank 0 reads it
-            assert sorted(posted.split_groups) == groups
-            assert sorted(e.split for e in events if e.kind == "split_completed") == \
-                list(range(len(groups)))
-            assert [e.kind for e in read_log(p[r].flush())
-                    if e.request_id == "q1"].count("freed") == 1
+            hc.check_hisparse_rank(r, d_layout, p_ids, d_ids, views, p_views, device, host,
+                                   d.flush(), p[r].flush())
     finally:
         for d, *_ in d_ranks:
             d.close()

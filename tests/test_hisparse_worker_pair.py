@@ -25,8 +25,6 @@ import json
 import os
 import random
 import socket
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +32,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
 
+import handoff_checks as hc  # noqa: E402
 import qwen4_layouts as q  # noqa: E402
 
 from kvhandoff.core.planning import export_ids, in_host_pool, tokens_loaded  # noqa: E402
@@ -44,17 +43,12 @@ DATA = json.loads((Path(__file__).parent / q.HS_FIXTURE).read_text())
 LEASE = 3.0
 # 5 blocks of 64 tokens; KVH_HISPARSE_PROMPT=3008 reads 47 (P's pool holds 48), for a timing
 PROMPT = int(os.environ.get("KVH_HISPARSE_PROMPT", "300"))
-_PACE = threading.Event()
 
 
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _page(t) -> torch.Tensor:
-    return t.contiguous().view(-1).view(torch.uint8).cpu()
 
 
 def _path(d) -> str:
@@ -76,11 +70,9 @@ def _report(line: dict) -> None:
 @pytest.mark.parametrize("v", q.HS_BYTES_VARIANTS, ids=lambda v: v.name)
 def test_d_s_host_pool_and_device_groups_every_byte_one_completion(tmp_path, v):
     from kvhandoff.adapters.vllm.config import HandoffConfig
-    from kvhandoff.adapters.vllm.metadata import Admit, Export, Read, StepPlan
     from kvhandoff.adapters.vllm.params import RemotePrefill
     from kvhandoff.adapters.vllm.worker import HandoffWorker
     from kvhandoff.core.events import Side
-    from kvhandoff.core.log import read_log
 
     port = _port()
     extra = {"lease_s": LEASE, "heartbeat_interval_s": 0.3, "lease_margin_s": 0.2,
@@ -116,54 +108,19 @@ def test_d_s_host_pool_and_device_groups_every_byte_one_completion(tmp_path, v):
         d_ids = [rng.sample(range(1, g.num_blocks), blocks) for g in d_layout.groups]
         params = RemotePrefill("P-hs", "q1", "127.0.0.1", port, v.tp, p_ids, n, LEASE,
                                token="tok").to_wire()
-        for p, d, *_ in ranks:
-            p.start_step(StepPlan(prefill_started=["q1"]))
-            p.finish_step()
-            p.start_step(StepPlan(exports=[Export("q1", blocks, "tok")]))
-            p.finish_step()
-            d.start_step(StepPlan(admits=[Admit("Q1", params, "", PROMPT)],
-                                  reads=[Read("Q1", d_ids)]))
-        sent, recved, failed = [set() for _ in ranks], [set() for _ in ranks], set()
-        deadline = time.monotonic() + 60
-        while not all("q1" in s for s in sent) or not all("Q1" in r for r in recved):
-            assert time.monotonic() < deadline, (sent, recved, failed)
-            for k, (p, d, *_) in enumerate(ranks):
-                s, _, _ = p.finish_step()
-                _, got, f = d.finish_step()
-                assert not (s & sent[k]) and not (got & recved[k]), "reported twice"
-                sent[k] |= s
-                recved[k] |= got
-                failed |= f
-            _PACE.wait(0.002)
-        assert failed == set()
+        p_ranks, d_ranks = [p for p, *_ in ranks], [d for _, d, *_ in ranks]
+        hc.start_hand_off(p_ranks, d_ranks, params, d_ids, blocks, PROMPT)
+        hc.step_until_handed_off(p_ranks, d_ranks)
         report = {"case": v.name, "device": DEVICE, "prompt": PROMPT, "ranks": []}
         for r, (p, d, _, d_layout, p_views, d_views, device, host) in enumerate(ranks):
-            reads_pool = r == 0 or not d_layout.shared_host_pool
-            for g in d_layout.groups:
-                if in_host_pool(g) and not reads_pool:
-                    continue
-                for layer in g.layers:
-                    for rb, lb in zip(p_ids[g.index], d_ids[g.index], strict=True):
-                        got, want = _page(d_views[layer][lb]), _page(p_views[layer][rb])
-                        assert want.count_nonzero().item()  # P's bytes are random
-                        assert torch.equal(got, want), (r, g.index, layer, rb, lb)
-                        d_views[layer][lb].zero_()  # checked: what is left must be zero
-            assert not device.count_nonzero().item(), f"rank {r}: device bytes outside the plan"
-            assert not host.count_nonzero().item(), f"rank {r}: host-pool bytes outside the plan"
-            events = [e for e in read_log(d.flush()) if e.request_id == "q1"]
-            posted = next(e for e in events if e.kind == "reads_posted")
-            groups = [0, 1] if reads_pool else [1]  # a shared pool: rank 0 reads it
-            assert sorted(posted.split_groups) == groups
-            done = {e.split: e.t for e in events if e.kind == "split_completed"}
-            assert sorted(done) == list(range(len(groups)))
-            assert [e.kind for e in read_log(p.flush())
-                    if e.request_id == "q1"].count("freed") == 1
+            posted, done = hc.check_hisparse_rank(r, d_layout, p_ids, d_ids, d_views, p_views,
+                                                  device, host, d.flush(), p.flush())
             report["ranks"].append({
                 "rank": r, "path": _path(d), "split_groups": list(posted.split_groups),
                 "split_ms": {str(g): round(1e3 * (done[i] - posted.t), 3)
                              for i, g in enumerate(posted.split_groups)},
-                "bytes": {str(g.index): blocks * g.block_bytes for g in d_layout.groups
-                          if reads_pool or not in_host_pool(g)}})
+                "bytes": {str(g): blocks * d_layout.groups[g].block_bytes
+                          for g in posted.split_groups}})
         # Each rank read its own P rank's bytes (the ranks' allocations differ).
         if v.tp == 2:
             assert not torch.equal(ranks[0][4][indexer.layers[0]].cpu(),

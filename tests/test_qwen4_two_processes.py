@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
-from conftest import poll_pause
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
 
+import handoff_checks as hc  # noqa: E402
 import qwen4_layouts as q  # noqa: E402
 import two_hosts as th  # noqa: E402
 from test_qwen4_worker_pair import _clip_ssm_state_blocks, _ids  # noqa: E402
@@ -46,7 +45,6 @@ SEED_TP = {1: q.Variant(2, True, 1), 2: q.SEED}  # MTP on, prefix caching on
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
 def test_p_in_its_own_process_every_byte_of_d_s_allocation(tmp_path, tp):
     from kvhandoff.adapters.vllm.config import HandoffConfig
-    from kvhandoff.adapters.vllm.metadata import Admit, Export, Read, StepPlan
     from kvhandoff.adapters.vllm.params import RemotePrefill
     from kvhandoff.adapters.vllm.worker import HandoffWorker
     from kvhandoff.core.events import Side
@@ -86,30 +84,9 @@ def test_p_in_its_own_process_every_byte_of_d_s_allocation(tmp_path, tp):
             assert list(read.remote_ids) == want, g
         params = RemotePrefill("P-q4", "q1", "127.0.0.1", port, tp, p_ids, n, LEASE,
                                token="tok").to_wire()
-        for pr in p:
-            pr.start_step(StepPlan(prefill_started=["q1"]))
-            pr.finish_step()
-            pr.start_step(StepPlan(exports=[Export("q1", sum(map(len, p_ids)), "tok")]))
-            pr.finish_step()
-        for d, _, _ in d_ranks:
-            d.start_step(StepPlan(admits=[Admit("Q1", params, "", PROMPT)],
-                                  reads=[Read("Q1", d_ids)]))
-        sent, recved, failed = set(), set(), set()
-        deadline = time.monotonic() + 60
-        want_sent = {(r, "q1") for r in range(tp)}
-        want_recved = {(r, "Q1") for r in range(tp)}
-        while not (want_sent <= sent and want_recved <= recved):
-            assert time.monotonic() < deadline, (sent, recved, failed)
-            for r in range(tp):
-                s, _, _ = p[r].finish_step()
-                _, got, f = d_ranks[r][0].finish_step()
-                now_s, now_r = {(r, x) for x in s}, {(r, x) for x in got}
-                assert not (now_s & sent) and not (now_r & recved), "reported twice"
-                sent |= now_s
-                recved |= now_r
-                failed |= {(r, x) for x in f}
-            poll_pause(0.002)
-        assert failed == set()
+        d_workers = [d for d, _, _ in d_ranks]
+        hc.start_hand_off(p, d_workers, params, d_ids, sum(map(len, p_ids)), PROMPT)
+        hc.step_until_handed_off(p, d_workers)
         row = layout.groups[0].regions[0].block_bytes
         srcs = []
         for r, (d, draw, _) in enumerate(d_ranks):

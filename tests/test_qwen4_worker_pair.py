@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +24,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
 
+import handoff_checks as hc  # noqa: E402
 import qwen4_layouts as q  # noqa: E402
 
 from kvhandoff.core.groups import CacheKind, CacheLayout  # noqa: E402
@@ -92,12 +91,10 @@ def _workers(tmp_path, v: q.Variant):
     return ranks, port
 
 
-_PACE = threading.Event()
 
 
 @pytest.mark.parametrize("v", q.BYTES_VARIANTS, ids=lambda v: v.name)
 def test_every_byte_of_every_group_lands_where_d_planned_it(tmp_path, v):
-    from kvhandoff.adapters.vllm.metadata import Admit, Export, Read, StepPlan
     from kvhandoff.adapters.vllm.params import RemotePrefill
     from kvhandoff.core.log import read_log
 
@@ -119,27 +116,10 @@ def test_every_byte_of_every_group_lands_where_d_planned_it(tmp_path, v):
             assert list(read.remote_ids) == want, g
         params = RemotePrefill("P-q4", "q1", "127.0.0.1", port, v.tp, p_ids, n, LEASE,
                                token="tok").to_wire()
-        for p, d, *_ in ranks:
-            p.start_step(StepPlan(prefill_started=["q1"]))
-            p.finish_step()
-            p.start_step(StepPlan(exports=[Export("q1", sum(map(len, p_ids)), "tok")]))
-            p.finish_step()
-            d.start_step(StepPlan(admits=[Admit("Q1", params, "", PROMPT)],
-                                  reads=[Read("Q1", d_ids)]))
-        sent, recved, failed = [set() for _ in ranks], [set() for _ in ranks], set()
-        deadline = time.monotonic() + 60
+        p_ranks, d_workers = [p for p, *_ in ranks], [d for _, d, *_ in ranks]
+        hc.start_hand_off(p_ranks, d_workers, params, d_ids, sum(map(len, p_ids)), PROMPT)
         # One completion for the request: every rank's (rank, group) splits drained.
-        while not all("q1" in s for s in sent) or not all("Q1" in r for r in recved):
-            assert time.monotonic() < deadline, (sent, recved, failed)
-            for k, (p, d, *_) in enumerate(ranks):
-                s, _, _ = p.finish_step()
-                _, r, f = d.finish_step()
-                assert not (s & sent[k]) and not (r & recved[k]), "reported twice"
-                sent[k] |= s
-                recved[k] |= r
-                failed |= f
-            _PACE.wait(0.002)
-        assert failed == set()
+        hc.step_until_handed_off(p_ranks, d_workers)
         row = layout.groups[0].regions[0].block_bytes
         for _p, d, praw, draw, _ in ranks:
             src = praw.view(-1, row).cpu()
