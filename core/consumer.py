@@ -68,6 +68,7 @@ from kvhandoff.core.events import (
 )
 from kvhandoff.core.ledger import LedgerEngine
 from kvhandoff.core.lifecycle import (
+    HEARTBEAT_STATES,
     ConsumerRecord,
     DState,
     LifecycleState,
@@ -77,7 +78,6 @@ from kvhandoff.core.lifecycle import (
 from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Message, Release
 from kvhandoff.core.policy import (
     TimingConfig,
-    heartbeat_due,
     heartbeat_period,
     heartbeat_plan,
     next_heartbeat,
@@ -151,6 +151,35 @@ class ConsumerEngine(LedgerEngine):
         self._reasked: set[Hashable] = set()  # peers asked again for an overdue answer
         self._awaiting: set[Hashable] = set()  # peers owing an answer, as the last poll saw
         self._deadline = math.inf  # the earliest READ deadline the last poll saw
+        # The stream's requests in a heartbeat state, in the fold's order (what
+        # `policy.heartbeat_due` finds by scanning every record), kept up to date
+        # by ``_record``; rebuilt by a scan if another writer moved the stream.
+        self._hb: dict[str, None] = {}
+        self._hb_seq = self._ss.last_seq
+        self._due_cache: dict[Hashable, list[str]] | None = None  # `_due` until _hb/_reqs change
+        self._hb_rebuild()
+
+    def _hb_rebuild(self) -> None:
+        self._hb = {rid: None for rid, rec in self._records.items()
+                    if rec.state in HEARTBEAT_STATES}
+        self._hb_seq = self._ss.last_seq
+        self._due_cache = None
+
+    def _record(self, event_type: type[Event], rid: str, t: float, **fields) -> bool:
+        if not super()._record(event_type, rid, t, **fields):
+            return False
+        if self._ss.last_seq != self._hb_seq + 1:  # not ours alone: rescan when needed
+            return True
+        self._hb_seq += 1
+        rec = self._records.get(rid)
+        if rec is not None and rec.state in HEARTBEAT_STATES:
+            if rid not in self._hb:  # entered (admitted): last in the fold's order too
+                self._hb[rid] = None
+                self._due_cache = None
+        elif rid in self._hb:  # left; it never comes back (a new request is admitted anew)
+            del self._hb[rid]
+            self._due_cache = None
+        return True
 
     # ---- admission -------------------------------------------------------------
 
@@ -186,6 +215,7 @@ class ConsumerEngine(LedgerEngine):
                             local_request_id=local_id):
             return False
         self._reqs[rid] = _Request(peer, token)
+        self._due_cache = None
         self._fresh.add(rid)
         return True
 
@@ -268,6 +298,7 @@ class ConsumerEngine(LedgerEngine):
         release.  P frees its blocks when the lease lapses.  Only for a request whose every
         READ drained (the driver checks `in_flight`)."""
         self._reqs.pop(rid, None)
+        self._due_cache = None
         self._reading.pop(rid, None)
         self._fresh.discard(rid)
 
@@ -385,17 +416,27 @@ class ConsumerEngine(LedgerEngine):
 
     def _due(self) -> dict[Hashable, list[str]]:
         """The requests to keep alive, per peer: every one this rank acts for in a heartbeat
-        state (from admission until its reads drained or a notify-only release)."""
+        state (from admission until its reads drained or a notify-only release).  Read-only:
+        the same dict is returned until a request enters or leaves it."""
+        if self._ss.last_seq != self._hb_seq:
+            self._hb_rebuild()
+        if self._due_cache is not None:
+            return self._due_cache
+        by_engine: dict[str, list[str]] = {}  # as `policy.heartbeat_due` groups them
+        records = self._records
+        for rid in self._hb:
+            by_engine.setdefault(records[rid].remote_engine, []).append(rid)
         due: dict[Hashable, list[str]] = {}
-        for rids in heartbeat_due(self.state, self.stream).values():
+        for rids in by_engine.values():
             for rid in rids:
                 req = self._reqs.get(rid)
                 if req is not None:
                     due.setdefault(req.peer, []).append(rid)
+        self._due_cache = due
         return due
 
     def _lease_of(self, rid: str) -> float:
-        return self._rec(rid).lease_s
+        return self._records[rid].lease_s
 
     def _fail_open_splits(self, rid: str, rec: ConsumerRecord, req: _Request, now: float,
                           reason: str) -> None:

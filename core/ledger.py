@@ -11,14 +11,38 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import MISSING, fields
 
 import structlog
 
 from kvhandoff.core.errors import LifecycleError
-from kvhandoff.core.events import Event, Stream
+from kvhandoff.core.events import EVENT_TYPES, Event, Stream
 from kvhandoff.core.lifecycle import LifecycleState, apply
 
 log = structlog.get_logger(__name__)
+
+
+def _maker(cls: type[Event]) -> Callable[..., Event]:
+    """``make(request_id, stream, seq, t, **fields)``: the event ``cls(...)`` builds, without
+    the frozen dataclass's ``__init__`` (one ``object.__setattr__`` per field); the slots
+    are set through their descriptors, each field's default as the dataclass declares it.
+    Generated once per type (as `core.log` builds decoded events)."""
+    namespace: dict = {"new": object.__new__, "cls": cls}
+    params, body = [], ["    e = new(cls)"]
+    for i, f in enumerate(fields(cls)):
+        if f.default is MISSING:
+            params.append(f.name)
+        else:
+            namespace[f"d{i}"] = f.default
+            params.append(f"{f.name}=d{i}")
+        namespace[f"set{i}"] = getattr(cls, f.name).__set__
+        body.append(f"    set{i}(e, {f.name})")
+    exec(f"def make({', '.join(params)}):\n" + "\n".join(body) + "\n    return e", namespace)
+    return namespace["make"]
+
+
+_MAKERS: dict[type[Event], Callable[..., Event]] = {cls: _maker(cls)
+                                                    for cls in EVENT_TYPES.values()}
 
 
 class Ledger:
@@ -33,7 +57,8 @@ class Ledger:
 
     def record(self, event_type: type[Event], request_id: str, t: float, **fields) -> Event:
         """Build, fold and log one event; raises `InvalidTransition` and logs nothing if refused."""
-        event = event_type(request_id, self.stream, self._seq, t, **fields)
+        make = _MAKERS.get(event_type, event_type)  # another Event subclass: its own __init__
+        event = make(request_id, self.stream, self._seq, t, **fields)
         apply(self.state, event)
         self._seq += 1
         if self.sink is not None:
@@ -57,9 +82,12 @@ class LedgerEngine:
         self.ledger = Ledger(stream, state, sink)
         self.state = self.ledger.state
         self.counts: Counter[str] = Counter()
+        # This stream's fold (created by the ledger, never replaced): its records by id.
+        self._ss = self.state.stream(stream)
+        self._records = self._ss.requests
 
     def _rec(self, rid: str):
-        return self.state.record(self.stream, rid)
+        return self._records.get(rid)
 
     def _record(self, event_type: type[Event], rid: str, t: float, **fields) -> bool:
         try:
