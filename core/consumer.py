@@ -157,6 +157,9 @@ class ConsumerEngine(LedgerEngine):
         self._hb: dict[str, None] = {}
         self._hb_seq = self._ss.last_seq
         self._due_cache: dict[Hashable, list[str]] | None = None  # `_due` until _hb/_reqs change
+        self._periods: dict[Hashable, float] = {}  # per peer of `_due_cache`: its period
+        # Per request: (read_timeout_s, `read_deadline`) until its next event changes the record.
+        self._deadlines: dict[str, tuple[float, float]] = {}
         self._hb_rebuild()
 
     def _hb_rebuild(self) -> None:
@@ -164,6 +167,7 @@ class ConsumerEngine(LedgerEngine):
                     if rec.state in HEARTBEAT_STATES}
         self._hb_seq = self._ss.last_seq
         self._due_cache = None
+        self._deadlines.clear()
 
     def _record(self, event_type: type[Event], rid: str, t: float, **fields) -> bool:
         if not super()._record(event_type, rid, t, **fields):
@@ -171,6 +175,7 @@ class ConsumerEngine(LedgerEngine):
         if self._ss.last_seq != self._hb_seq + 1:  # not ours alone: rescan when needed
             return True
         self._hb_seq += 1
+        self._deadlines.pop(rid, None)
         rec = self._records.get(rid)
         if rec is not None and rec.state in HEARTBEAT_STATES:
             if rid not in self._hb:  # entered (admitted): last in the fold's order too
@@ -337,7 +342,13 @@ class ConsumerEngine(LedgerEngine):
             if not isinstance(rec, ConsumerRecord) or rec.state not in _READING:
                 del self._reading[rid]
                 continue
-            deadline = read_deadline(rec, self.timing.read_timeout_s)
+            timeout_s = self.timing.read_timeout_s
+            cached = self._deadlines.get(rid)
+            if cached is not None and cached[0] == timeout_s and self._hb_seq == self._ss.last_seq:
+                deadline = cached[1]
+            else:
+                deadline = read_deadline(rec, timeout_s)
+                self._deadlines[rid] = (timeout_s, deadline)
             if req.in_flight and not req.splits_failed:
                 if now > deadline:
                     waited = now - rec.posted_at
@@ -374,7 +385,8 @@ class ConsumerEngine(LedgerEngine):
         """When ``poll`` has work at the latest, nothing new arriving (a READ deadline, a
         heartbeat): the driver may poll earlier (``poll`` then finds less to do)."""
         return min(self._deadline, next_heartbeat(self._due(), self.timing, self._last_sent,
-                                                  self._lease_of, self._awaiting, self._reasked))
+                                                  self._lease_of, self._awaiting, self._reasked,
+                                                  self._periods))
 
     def heartbeat_sent(self, peer: Hashable, hb: Heartbeat, now: float, urgent: bool) -> None:
         """The driver sent ``hb`` (planned by ``poll``, or fewer of its ids) to ``peer``."""
@@ -407,7 +419,7 @@ class ConsumerEngine(LedgerEngine):
         self._reasked &= awaiting
         for peer, rids, urgent in heartbeat_plan(self._due(), now, self.timing, self._last_sent,
                                                  self._lease_of, self._fresh, awaiting,
-                                                 self._reasked):
+                                                 self._reasked, self._periods):
             ordered = tuple(sorted(rids))
             tokens = tuple(self._reqs[rid].token for rid in ordered)
             step.heartbeats.append((peer, Heartbeat(self.stream.engine, self.stream.rank, now,
@@ -433,6 +445,9 @@ class ConsumerEngine(LedgerEngine):
                 if req is not None:
                     due.setdefault(req.peer, []).append(rid)
         self._due_cache = due
+        interval = self.timing.heartbeat_interval_s
+        self._periods = {peer: heartbeat_period(interval, map(self._lease_of, rids))
+                         for peer, rids in due.items()}
         return due
 
     def _lease_of(self, rid: str) -> float:

@@ -196,6 +196,8 @@ class DecodeEngine:
 
     def _carry_out(self, d: int, step: ConsumerStep, now: float) -> None:
         """Send what rank ``d``'s engine decided; conclude requests every rank reported."""
+        if not (step.heartbeats or step.releases or step.finished):
+            return  # most polls decide nothing
         agent = self.agents[d]
         for peer, hb, urgent in step.heartbeats:
             if self.policy.stop_heartbeat_on_cancel:  # vLLM: a cancel ends the heartbeat
