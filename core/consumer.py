@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from kvhandoff.core.errors import MalformedMessage
+from kvhandoff.core.errors import LifecycleError, MalformedMessage
 from kvhandoff.core.events import (
     Admitted,
     ClientCancelled,
@@ -170,7 +170,10 @@ class ConsumerEngine(LedgerEngine):
         self._deadlines.clear()
 
     def _record(self, event_type: type[Event], rid: str, t: float, **fields) -> bool:
-        if not super()._record(event_type, rid, t, **fields):
+        try:  # `LedgerEngine._record`, inlined: this runs for every event D writes
+            self.ledger.record(event_type, rid, t, **fields)
+        except LifecycleError as exc:
+            self._refused(event_type, rid, exc)
             return False
         if self._ss.last_seq != self._hb_seq + 1:  # not ours alone: rescan when needed
             return True

@@ -94,7 +94,10 @@ class LedgerEngine:
             self.ledger.record(event_type, rid, t, **fields)
             return True
         except LifecycleError as exc:
-            self.counts["refused_events"] += 1
-            log.error(f"{self.side}.refused_event", stream=str(self.stream), request_id=rid,
-                      event_kind=event_type.kind, error=str(exc))
+            self._refused(event_type, rid, exc)
             return False
+
+    def _refused(self, event_type: type[Event], rid: str, exc: LifecycleError) -> None:
+        self.counts["refused_events"] += 1
+        log.error(f"{self.side}.refused_event", stream=str(self.stream), request_id=rid,
+                  event_kind=event_type.kind, error=str(exc))
