@@ -340,18 +340,19 @@ class ConsumerEngine(LedgerEngine):
         step = ConsumerStep()
         wake = math.inf
         awaiting: set[Hashable] = set()
+        records, reqs, deadlines = self._records, self._reqs, self._deadlines
+        timeout_s = self.timing.read_timeout_s
         for rid in list(self._reading):
-            rec, req = self._rec(rid), self._reqs[rid]
+            rec, req = records.get(rid), reqs[rid]
             if not isinstance(rec, ConsumerRecord) or rec.state not in _READING:
                 del self._reading[rid]
                 continue
-            timeout_s = self.timing.read_timeout_s
-            cached = self._deadlines.get(rid)
+            cached = deadlines.get(rid)
             if cached is not None and cached[0] == timeout_s and self._hb_seq == self._ss.last_seq:
                 deadline = cached[1]
             else:
                 deadline = read_deadline(rec, timeout_s)
-                self._deadlines[rid] = (timeout_s, deadline)
+                deadlines[rid] = (timeout_s, deadline)
             if req.in_flight and not req.splits_failed:
                 if now > deadline:
                     waited = now - rec.posted_at

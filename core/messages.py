@@ -105,14 +105,22 @@ def decode(data: bytes) -> Message:
     if cls is None:
         raise MalformedMessage(f"unknown notification kind {obj.get('k')!r}")
     what = cls.__name__
-    engine = _field(obj, "engine", str, what)
-    rank = _field(obj, "rank", int, what)
+    # Fast paths: orjson makes exact str/int/float (bool is not int here), so a value of
+    # the exact type passes `_field`; anything else goes to it, which checks and names it.
+    engine = obj.get("engine")
+    if type(engine) is not str:
+        engine = _field(obj, "engine", str, what)
+    rank = obj.get("rank")
+    if type(rank) is not int:
+        rank = _field(obj, "rank", int, what)
     if rank < 0:
         raise MalformedMessage(f"{what}: field 'rank' must be >= 0, found {rank}")
     if cls is Release:
         token = _field(obj, "token", str, what) if "token" in obj else ""
         return Release(_field(obj, "request_id", str, what), engine, rank, token)
-    sent_at = float(_field(obj, "sent_at", (int, float), what))
+    sent_at = obj.get("sent_at")
+    sent_at = float(sent_at if type(sent_at) is float or type(sent_at) is int
+                    else _field(obj, "sent_at", (int, float), what))
     if cls is Heartbeat:
         ids = _strings(obj, "request_ids", what)
         tokens = _strings(obj, "tokens", what) if "tokens" in obj else ()

@@ -49,6 +49,16 @@ def _message_kind(message: bytes) -> str:
     return message[at + 5:end].decode() if end > 0 else "?"
 
 
+def _line_sink(lines: list[bytes]) -> Callable:
+    """An engine's event log: each event's line, as `core.log.LogWriter` writes it."""
+    append = lines.append
+
+    def sink(event) -> None:
+        append(encode_event(event))
+
+    return sink
+
+
 @dataclass
 class RunResult:
     scenario: str
@@ -77,6 +87,8 @@ class World:
         self.net.read_faults = cfg.read_faults
         self.p_lines: list[bytes] = []
         self.d_lines: list[bytes] = []
+        self._p_sink = _line_sink(self.p_lines)
+        self._d_sink = _line_sink(self.d_lines)
         self.p = PrefillEngine("prefill-0", cfg, self.net, random.Random(sub_seed(cfg.seed, "P")),
                                self._p_sink, self._exported, self.policy)
         self.d = DecodeEngine("decode-0", cfg, self.net, random.Random(sub_seed(cfg.seed, "D")),
@@ -99,14 +111,6 @@ class World:
         self.requests: list[SimRequest] = []
         self.outcomes: Counter[str] = Counter()  # how client requests ended
         self._plan()
-
-    # -- sinks: the engines' event logs ----------------------------------------
-
-    def _p_sink(self, event) -> None:
-        self.p_lines.append(encode_event(event))
-
-    def _d_sink(self, event) -> None:
-        self.d_lines.append(encode_event(event))
 
     # -- set-up -------------------------------------------------------------
 
