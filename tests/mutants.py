@@ -43,13 +43,14 @@ SUITE = (
     "tests/test_transport_sim.py", "tests/test_simulations_hypothesis.py",
     "tests/test_simulations_cli.py", "tests/test_simulations_determinism.py",
     "tests/test_simulations.py", "tests/test_groups.py", "tests/test_simulations_hybrid.py",
+    "tests/test_simulations_hisparse.py",
 )
 MODEL_TEST = "tests/test_lifecycle_model.py"
 # ``--suite sim``: only the randomized searches (the simulator's scenarios and Hypothesis
 # sweeps), no example test: does the simulator find the bug on its own?
 SIM_SUITE = (
     "tests/test_simulations_hypothesis.py", "tests/test_simulations.py",
-    "tests/test_simulations_hybrid.py",
+    "tests/test_simulations_hybrid.py", "tests/test_simulations_hisparse.py",
 )
 
 
@@ -179,6 +180,11 @@ MUTANTS: tuple[Mutant, ...] = (
            "        if since >= period or urgent or not fresh.isdisjoint(rids):\n",
            "        if since >= period or urgent:\n",
            "D waits a whole period before its first heartbeat for a new request"),
+    Mutant("shared_pool_rank_skips_every_group", "core/planning.py",
+           "        if not l_ids or (local_rank and local.shared_host_pool and in_host_pool(g)):\n",
+           "        if not l_ids or (local_rank and local.shared_host_pool):\n",
+           "with a HiSparse host pool shared by D's ranks, a rank other than 0 skips its "
+           "device groups too (its indexer never read, served as if it had been)"),
 )
 
 
