@@ -388,9 +388,8 @@ class ConsumerEngine(LedgerEngine):
     def due_at(self) -> float:
         """When ``poll`` has work at the latest, nothing new arriving (a READ deadline, a
         heartbeat): the driver may poll earlier (``poll`` then finds less to do)."""
-        return min(self._deadline, next_heartbeat(self._due(), self.timing, self._last_sent,
-                                                  self._lease_of, self._awaiting, self._reasked,
-                                                  self._periods))
+        return min(self._deadline, next_heartbeat(self._due(), self._last_sent, self._periods,
+                                                  self._awaiting, self._reasked))
 
     def heartbeat_sent(self, peer: Hashable, hb: Heartbeat, now: float, urgent: bool) -> None:
         """The driver sent ``hb`` (planned by ``poll``, or fewer of its ids) to ``peer``."""
@@ -421,9 +420,9 @@ class ConsumerEngine(LedgerEngine):
 
     def _plan_heartbeats(self, now: float, awaiting: set[Hashable], step: ConsumerStep) -> None:
         self._reasked &= awaiting
-        for peer, rids, urgent in heartbeat_plan(self._due(), now, self.timing, self._last_sent,
-                                                 self._lease_of, self._fresh, awaiting,
-                                                 self._reasked, self._periods):
+        for peer, rids, urgent in heartbeat_plan(self._due(), now, self._last_sent,
+                                                 self._periods, self._fresh, awaiting,
+                                                 self._reasked):
             ordered = tuple(sorted(rids))
             tokens = tuple(self._reqs[rid].token for rid in ordered)
             step.heartbeats.append((peer, Heartbeat(self.stream.engine, self.stream.rank, now,

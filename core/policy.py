@@ -8,7 +8,7 @@ implies.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 
 from kvhandoff.core.events import Stream
@@ -97,10 +97,9 @@ def heartbeat_period(interval_s: float, leases: Iterable[float]) -> float:
     return min((interval_s, *(lease / HEARTBEATS_PER_LEASE for lease in leases)))
 
 
-def heartbeat_plan(due: Mapping[Hashable, list[str]], now: float, timing: TimingConfig,
-                   last_sent: Mapping[Hashable, float], lease_of: Callable[[str], float],
+def heartbeat_plan(due: Mapping[Hashable, list[str]], now: float,
+                   last_sent: Mapping[Hashable, float], periods: Mapping[Hashable, float],
                    fresh: set[str], awaiting: set[Hashable], reasked: set[Hashable],
-                   periods: Mapping[Hashable, float] | None = None,
                    ) -> list[tuple[Hashable, list[str], bool]]:
     """D: which P ranks (``peer``) to heartbeat now, with every request due there.
 
@@ -113,31 +112,29 @@ def heartbeat_plan(due: Mapping[Hashable, list[str]], now: float, timing: Timing
     period while it still waits (``reasked``: an acknowledgement can be lost
     like any notification).  Each heartbeat names every request due at that
     peer, so a request never depends on periodic messages alone when those
-    are the ones being lost.  Returns (peer, request ids, urgent).  ``periods``: each
-    peer's `heartbeat_period` of ``due``, when the caller keeps them.
+    are the ones being lost.  ``periods``: each peer's `heartbeat_period` of its
+    requests' leases (the caller keeps them with ``due``).  Returns (peer, request
+    ids, urgent).
     """
     plan = []
     for peer, rids in due.items():
         since = now - last_sent.get(peer, -math.inf)
-        period = (periods[peer] if periods is not None
-                  else heartbeat_period(timing.heartbeat_interval_s, map(lease_of, rids)))
+        period = periods[peer]
         urgent = peer in awaiting and (since >= period / 4 if peer in reasked else since > 0)
         if since >= period or urgent or not fresh.isdisjoint(rids):
             plan.append((peer, rids, urgent))
     return plan
 
 
-def next_heartbeat(due: Mapping[Hashable, list[str]], timing: TimingConfig,
-                   last_sent: Mapping[Hashable, float], lease_of: Callable[[str], float],
-                   awaiting: set[Hashable], reasked: set[Hashable],
-                   periods: Mapping[Hashable, float] | None = None) -> float:
+def next_heartbeat(due: Mapping[Hashable, list[str]], last_sent: Mapping[Hashable, float],
+                   periods: Mapping[Hashable, float], awaiting: set[Hashable],
+                   reasked: set[Hashable]) -> float:
     """D: the earliest time `heartbeat_plan` names a peer, with nothing new happening."""
     at = math.inf
-    for peer, rids in due.items():
-        last = last_sent.get(peer, -math.inf)
-        period = (periods[peer] if periods is not None
-                  else heartbeat_period(timing.heartbeat_interval_s, map(lease_of, rids)))
-        at = min(at, last + (period / 4 if peer in awaiting and peer in reasked else period))
+    for peer in due:
+        period = periods[peer]
+        at = min(at, last_sent.get(peer, -math.inf)
+                 + (period / 4 if peer in awaiting and peer in reasked else period))
     return at
 
 
@@ -169,21 +166,12 @@ def read_deadline(rec: ConsumerRecord, timeout_s: float) -> float:
     would refuse.  While P keeps answering, a READ may run longer than one
     lease.
     """
-    # One pass (this runs for every READ on every poll): the earliest proof among the ranks
-    # still owing, and among all ranks for when none owes; ``min``'s own order of comparisons.
-    safe_until, held_at, inf = rec.safe_until, rec.held_at, math.inf
-    owing_proof = all_proof = None
-    for r, done in zip(rec.split_ranks, rec.split_done, strict=True):
-        proof = held_at.get(r, -inf)
-        if all_proof is None or proof < all_proof:
-            all_proof = proof
-        if done is None or (done != "" and done > safe_until.get(r, -inf)):
-            if owing_proof is None or proof < owing_proof:
-                owing_proof = proof
-    if timeout_s == inf:  # no timeout (vLLM 0.32's D): READs run until the fabric ends them
-        return inf
-    last_proof = (owing_proof if owing_proof is not None
-                  else all_proof if all_proof is not None else -inf)
+    if timeout_s == math.inf:  # no timeout (vLLM 0.32's D): READs run until the fabric ends them
+        return math.inf
+    owing = [r for r, done in zip(rec.split_ranks, rec.split_done, strict=True)
+             if done is None or (done != "" and done > rec.safe_until.get(r, -math.inf))]
+    last_proof = min((rec.held_at.get(r, -math.inf) for r in owing or rec.split_ranks),
+                     default=-math.inf)
     return min(rec.posted_at + timeout_s, max(rec.posted_at, last_proof) + rec.lease_s)
 
 
