@@ -69,6 +69,7 @@ from kvhandoff.core.events import (
 from kvhandoff.core.ledger import LedgerEngine
 from kvhandoff.core.lifecycle import (
     HEARTBEAT_STATES,
+    READING_STATES,
     ConsumerRecord,
     DState,
     LifecycleState,
@@ -88,7 +89,6 @@ from kvhandoff.core.policy import (
 
 log = structlog.get_logger(__name__)
 
-_READING = (DState.READING, DState.CANCELLED_READING)
 
 
 class ParamsReused(MalformedMessage):
@@ -297,7 +297,7 @@ class ConsumerEngine(LedgerEngine):
             return step
         if rec.state in (DState.ADMITTED, DState.VALIDATED):
             return self.rejected(rid, now, reason)
-        if rec.state in _READING and not req.splits_failed:
+        if rec.state in READING_STATES and not req.splits_failed:
             self._fail_open_splits(rid, rec, req, now, reason)
         return step
 
@@ -344,7 +344,7 @@ class ConsumerEngine(LedgerEngine):
         timeout_s = self.timing.read_timeout_s
         for rid in list(self._reading):
             rec, req = records.get(rid), reqs[rid]
-            if not isinstance(rec, ConsumerRecord) or rec.state not in _READING:
+            if not isinstance(rec, ConsumerRecord) or rec.state not in READING_STATES:
                 del self._reading[rid]
                 continue
             cached = deadlines.get(rid)
@@ -379,8 +379,9 @@ class ConsumerEngine(LedgerEngine):
         does (the simulator's model of it), never this engine's own choice."""
         step = ConsumerStep()
         rec = self._rec(rid)
-        if (rid in self._reading and isinstance(rec, ConsumerRecord) and rec.state in _READING
-                and rec.drained and not self._reqs[rid].in_flight):
+        if (rid in self._reading and isinstance(rec, ConsumerRecord)
+                and rec.state in READING_STATES and rec.drained
+                and not self._reqs[rid].in_flight):
             self._finish(rid, rec, now, step)
         return step
 

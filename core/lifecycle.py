@@ -70,6 +70,8 @@ HEARTBEAT_STATES = frozenset({
     DState.ADMITTED, DState.VALIDATED, DState.REJECTED, DState.CANCELLED,
     DState.READING, DState.CANCELLED_READING,
 })
+# D states with READs posted and not yet reported (a cancel keeps them reading).
+READING_STATES = frozenset({DState.READING, DState.CANCELLED_READING})
 
 
 class ProducerRecord:

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from kvhandoff.core.events import Stream
 from kvhandoff.core.lifecycle import (
     HEARTBEAT_STATES,
+    READING_STATES,
     TERMINAL,
     ConsumerRecord,
-    DState,
     LifecycleState,
     ProducerRecord,
     PState,
@@ -27,7 +27,7 @@ from kvhandoff.core.lifecycle import (
 __all__ = [
     "TimingConfig", "Verdict", "heartbeat_due", "heartbeat_plan", "next_heartbeat", "report_due",
     "heartbeat_period", "read_deadline", "expired_leases", "to_free",
-    "to_forget", "lease_time_left", "read_verdict", "reads_to_report", "awaiting_proof",
+    "to_forget", "lease_time_left", "read_verdict", "reads_to_report",
 ]
 
 # D heartbeats a P rank this many times per lease of the requests it covers (vLLM's
@@ -37,7 +37,6 @@ HEARTBEATS_PER_LEASE = 6
 REMEMBER_LEASES = 2
 
 _TO_FREE = frozenset({PState.RELEASED, PState.EXPIRED, PState.ABORTED})
-_READING = frozenset({DState.READING, DState.CANCELLED_READING})
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +146,7 @@ def report_due(rec: ConsumerRecord, now: float, timing: TimingConfig) -> bool:
     and the request fails instead of waiting).  The caller also waits for a
     READ already failed by the deadline but still moving bytes into D's pages.
     """
-    if rec.state not in _READING or not rec.drained:
+    if rec.state not in READING_STATES or not rec.drained:
         return False
     return (rec.cancelled or read_verdict_of(rec) is not Verdict.PENDING
             or now > read_deadline(rec, timing.read_timeout_s))
@@ -225,8 +224,7 @@ def lease_time_left(state: LifecycleState, stream: Stream, request_id: str, t: f
 def read_verdict(state: LifecycleState, stream: Stream, request_id: str) -> Verdict:
     """D: may the request's completed reads be reported as received?"""
     rec = state.record(stream, request_id)
-    if not isinstance(rec, ConsumerRecord) or rec.state not in (
-            DState.READING, DState.CANCELLED_READING):
+    if not isinstance(rec, ConsumerRecord) or rec.state not in READING_STATES:
         raise KeyError(f"{stream}: request {request_id!r} has no reads in progress")
     return read_verdict_of(rec)
 
@@ -234,18 +232,6 @@ def read_verdict(state: LifecycleState, stream: Stream, request_id: str) -> Verd
 def reads_to_report(state: LifecycleState, stream: Stream) -> list[str]:
     """D: requests whose reads drained with a verdict (not PENDING): report finished_recving."""
     return [rid for rid, rec in _records(state, stream)
-            if rec.state in (DState.READING, DState.CANCELLED_READING)
+            if rec.state in READING_STATES
             and read_verdict_of(rec) is not Verdict.PENDING
             and rec.drained]
-
-
-def awaiting_proof(state: LifecycleState, stream: Stream) -> list[str]:
-    """D: requests whose reads drained but whose verdict is still PENDING.
-
-    Their bytes are here and wait only for P's word: the adapter asks P again
-    (a heartbeat) sooner than the period, since an acknowledgement can be lost.
-    """
-    return [rid for rid, rec in _records(state, stream)
-            if rec.state in (DState.READING, DState.CANCELLED_READING)
-            and rec.drained
-            and read_verdict_of(rec) is Verdict.PENDING]

@@ -207,16 +207,6 @@ def test_forged_or_garbled_acks_grant_nothing():
     assert ledger.state.record(D0, RID).safe_until == {0: 1.5 + 10.0 - 0.5}
 
 
-def test_awaiting_proof_lists_drained_reads_still_waiting_for_p():
-    ledger = _reading((1.0, 0.9, 5.0))  # proven until 5.4
-    ledger.record(SplitCompleted, RID, 5.0, split=0)
-    assert policy.awaiting_proof(ledger.state, D0) == []  # split 1 still in flight
-    ledger.record(SplitCompleted, RID, 6.0, split=1)
-    assert policy.awaiting_proof(ledger.state, D0) == [RID]
-    _ack(ledger, 6.6, 6.5, 3.0)
-    assert policy.awaiting_proof(ledger.state, D0) == []
-
-
 def test_heartbeat_period_is_d_s_interval_or_a_sixth_of_the_shortest_lease_it_covers():
     assert policy.heartbeat_period(5.0, [30.0, 60.0]) == 5.0  # D's own setting bounds it
     assert policy.heartbeat_period(5.0, [30.0, 4.0, 12.0]) == pytest.approx(4.0 / 6)
