@@ -17,7 +17,7 @@ import orjson
 import structlog
 
 COMMANDS = ("replay", "diagram", "simulate", "demo")
-BENCHMARKS = ("core", "nixl", "vllm", "serve")
+BENCHMARKS = ("core", "nixl", "vllm", "serve", "fleet")
 
 
 def _command(name: str):
@@ -43,7 +43,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
                 sub.add_parser(name, help=f"(unavailable: {e.name} missing)")
         else:
             sub.add_parser(name)
-    bench = sub.add_parser("bench", help="benchmarks: core, nixl, vllm, serve (see docs/benchmarks.md)")
+    bench = sub.add_parser("bench", help="benchmarks: core, nixl, vllm, serve, fleet (see docs/benchmarks.md)")
     targets = bench.add_subparsers(dest="target", required=True, metavar="TARGET")
     for name in BENCHMARKS:
         p = targets.add_parser(name)
