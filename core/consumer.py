@@ -267,6 +267,12 @@ class ConsumerEngine(LedgerEngine):
         self._reading[rid] = None
         return True
 
+    def nothing_posted(self, rid: str, now: float, rank: int) -> bool:
+        """The plan had no split for this rank (D holds every block it would read, or the
+        host pool it shares is rank 0's): one empty split of remote rank ``rank``, drained
+        at once, so the request completes and is reported like any other."""
+        return self.reads_posted(rid, now, (rank,)) and self.split_done(rid, 0, now)
+
     def split_done(self, rid: str, split: int, now: float, ok: bool = True,
                    reason: str = "") -> bool:
         """Split ``split``'s READ drained (``ok``: its bytes landed); True when recorded.  A

@@ -351,10 +351,8 @@ class DecodeEngine:
         for d in range(len(self.agents)):
             plan = plan_group_reads(self.remote_layouts[d], self.layouts[d], imp.remote_lists,
                                     lists, imp.params.num_tokens, rank=d // k, local_rank=d)
-            if plan.notify_only:  # rank 0 reads the shared pool, D holds this rank's rest:
-                # one empty split, drained at once, as the connector posts it
-                self.engines[d].reads_posted(rid, now, (d // k,))
-                self.engines[d].split_done(rid, 0, now)
+            if plan.notify_only:  # rank 0 reads the shared pool, D holds this rank's rest
+                self.engines[d].nothing_posted(rid, now, d // k)
                 imp.rank_open[d] = 1
                 self._group_read_landed(rid, d)
                 continue

@@ -100,6 +100,23 @@ def test_confirmed_reads_are_reported_once_then_p_is_released_with_the_token(eng
     assert replay(engine.log).violations == []
 
 
+def test_a_rank_with_no_split_of_its_own_completes_once_p_vouched_and_releases_p(engine):
+    """Nothing to read on this rank (a local hit after all, or a shared host pool that is
+    rank 0's): one empty split, drained at once; the request is reported and P released
+    like any other, only once P's word covers it."""
+    _admit(engine)
+    assert engine.validated("r1", 0.0)
+    _beat(engine, 0.0)
+    assert engine.nothing_posted("r1", 0.0, 0)
+    assert engine.poll(0.0).finished == []  # P has not vouched yet
+    engine.on_notification(P_AGENT, _ack(0.0, 12.0), 0.01)
+    step = engine.poll(0.02)
+    (f,) = step.finished
+    assert f.request_id == "r1" and f.ok
+    assert step.releases == [(P_AGENT, Release("r1", "decode-0", 0, "tok"))]
+    assert replay(engine.log).violations == []
+
+
 def test_reads_that_drained_unproven_ask_p_at_once_then_every_quarter_period(engine):
     _reading(engine)
     _beat(engine, 0.0)  # its answer is lost

@@ -378,9 +378,8 @@ class ConsumerHalf:
             self.consumer.reads_posted(rid, now, (self.rank,))
             self.consumer.split_done(rid, 0, now, ok=False, reason=str(exc)[:500])
             return
-        if plan.notify_only:  # everything was a local hit after all: nothing to move
-            self.consumer.reads_posted(rid, now, (self.rank,))
-            self.consumer.split_done(rid, 0, now)
+        if plan.notify_only:  # a local hit after all, or the shared pool is rank 0's
+            self.consumer.nothing_posted(rid, now, self.rank)
             return
         self.consumer.reads_posted(rid, now, tuple(r.rank for r in plan.reads),
                                    tuple(r.group for r in plan.reads))
