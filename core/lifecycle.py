@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import math
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
@@ -187,12 +188,24 @@ class _Refused(Exception):
     """Raised by a prepare step or guard to refuse an event; becomes InvalidTransition."""
 
 
+_RANK_SETS: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
+def _rank_set(ranks) -> tuple[int, ...]:
+    """``ranks`` sorted without repeats, one shared tuple per distinct set (a hot P holds
+    10^5 records naming the same few consumer ranks); at most 1,024 sets are kept."""
+    key = tuple(sorted(set(ranks)))
+    if len(_RANK_SETS) < 1024:
+        return _RANK_SETS.setdefault(key, key)
+    return _RANK_SETS.get(key, key)
+
+
 def _export(ss: StreamState, rec: ProducerRecord | None, ev) -> ProducerRecord:
     if ev.lease_s <= 0 or not ev.consumer_ranks:
         raise _Refused(f"lease_s={ev.lease_s}, consumer_ranks={ev.consumer_ranks}")
     rec = rec or ProducerRecord(ev.t)
     rec.lease_s, rec.deadline = ev.lease_s, ev.t + ev.lease_s
-    rec.expected, rec.num_blocks = tuple(sorted(set(ev.consumer_ranks))), ev.num_blocks
+    rec.expected, rec.num_blocks = _rank_set(ev.consumer_ranks), ev.num_blocks
     rec.token = ev.token
     return rec
 
@@ -208,7 +221,7 @@ def _is_from_consumer(ss: StreamState, rec: ProducerRecord, engine: str, token: 
     if rec.consumer and engine != rec.consumer:
         ss.ignored["wrong_peer"] += 1
         return False
-    rec.consumer = engine
+    rec.consumer = sys.intern(engine)  # one string per D rank, not per record
     return True
 
 
@@ -230,7 +243,7 @@ def _note_release(ss, rec: ProducerRecord, ev) -> ProducerRecord | None:
     if ev.consumer_rank in rec.notified:
         ss.ignored["duplicate_release"] += 1
         return None
-    rec.notified = tuple(sorted((*rec.notified, ev.consumer_rank)))
+    rec.notified = _rank_set((*rec.notified, ev.consumer_rank))
     return rec
 
 

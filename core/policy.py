@@ -20,6 +20,7 @@ from kvhandoff.core.lifecycle import (
     LifecycleState,
     ProducerRecord,
     PState,
+    Record,
     Verdict,
     read_verdict_of,
 )
@@ -27,7 +28,7 @@ from kvhandoff.core.lifecycle import (
 __all__ = [
     "TimingConfig", "Verdict", "heartbeat_due", "heartbeat_plan", "next_heartbeat", "report_due",
     "heartbeat_period", "read_deadline", "expired_leases", "to_free",
-    "to_forget", "lease_time_left", "read_verdict", "reads_to_report",
+    "to_forget", "forgotten_when_freed", "lease_time_left", "read_verdict", "reads_to_report",
 ]
 
 # D heartbeats a P rank this many times per lease of the requests it covers (vLLM's
@@ -186,16 +187,33 @@ def to_free(state: LifecycleState, stream: Stream) -> list[str]:
 
 
 def to_forget(state: LifecycleState, stream: Stream, t: float, lease_s: float) -> list[str]:
-    """Finished records (FREED / DONE) to forget at ``t``: ended ``REMEMBER_LEASES`` leases ago.
+    """Finished records (FREED / DONE) to forget at ``t``: ended ``REMEMBER_LEASES`` leases
+    ago, or on P released by D (`forgotten_when_freed`).
 
     The lease is the engine's own ``lease_s`` or the request's, whichever is
-    longer.  Until then a late heartbeat or release gets a precise answer,
-    and on D the request's transfer parameters stay single-use for as long as
-    P may still hold its blocks.  Forgetting is an event (`Forgotten`).
+    longer.  Until then a late heartbeat gets a precise answer (on P: counted
+    late when the lease had run out), and on D the request's transfer
+    parameters stay single-use for as long as P may still hold its blocks.
+    Forgetting is an event (`Forgotten`).
     """
     return [rid for rid, rec in _records(state, stream)
             if rec.state in TERMINAL
-            and t - rec.t_end > REMEMBER_LEASES * max(lease_s, rec.lease_s)]
+            and (forgotten_when_freed(rec)
+                 or t - rec.t_end > REMEMBER_LEASES * max(lease_s, rec.lease_s))]
+
+
+def forgotten_when_freed(rec: Record) -> bool:
+    """P: a request its consumer released is forgotten as soon as its blocks are freed.
+
+    Every consumer rank said it is done reading, so nothing D sends later can
+    change what P does: a heartbeat that crossed the release is answered
+    "gone" rather than "released", which D treats alike (P let go), and a
+    repeated release is counted as ``unknown_request``.  Keeping such records
+    would cost a hot P about 60 s (two leases) of its whole release rate in
+    memory.  An expired or aborted request is remembered (`to_forget`): a late
+    heartbeat for it is counted (``heartbeats_late``) and answered precisely.
+    """
+    return isinstance(rec, ProducerRecord) and rec.state is PState.FREED and rec.ended == "released"
 
 
 def lease_time_left(state: LifecycleState, stream: Stream, request_id: str, t: float, *,

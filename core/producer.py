@@ -16,8 +16,10 @@ carries out what it returns.
   `HeartbeatAck` for the driver to send back (``time_left`` per request,
   `policy.lease_time_left`); a release is noted.
 * Time passing: ``poll(now)`` reaps expired leases and returns the requests
-  whose blocks must be freed now, each exactly once.  ``forget(now)`` drops
-  finished records (`policy.to_forget`), each a `Forgotten` event.
+  whose blocks must be freed now, each exactly once; a request D released is
+  forgotten as it is freed (`policy.forgotten_when_freed`).  ``forget(now)``
+  drops the other finished records (`policy.to_forget`), each a `Forgotten`
+  event.
 
 A heartbeat can overtake its own export (vLLM's P hands out the parameters a
 step before its worker folds the export): ids still ``PREFILLING`` are held
@@ -60,7 +62,13 @@ from kvhandoff.core.events import (
 from kvhandoff.core.ledger import LedgerEngine
 from kvhandoff.core.lifecycle import LifecycleState, ProducerRecord, PState
 from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Message, Release
-from kvhandoff.core.policy import expired_leases, lease_time_left, to_forget, to_free
+from kvhandoff.core.policy import (
+    expired_leases,
+    forgotten_when_freed,
+    lease_time_left,
+    to_forget,
+    to_free,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -198,6 +206,8 @@ class ProducerEngine(LedgerEngine):
                     step.freed.append(rid)
                     self.counts["frees"] += 1
                     self.counts["leases_released"] += released
+                    if forgotten_when_freed(rec):
+                        self._record(Forgotten, rid, now)
             self._ended.pop(0)
         return step
 

@@ -53,9 +53,11 @@ from kvhandoff.core.events import (
     EXTRA_FIELDS,
     Admitted,
     Event,
+    Exported,
     Forgotten,
     Freed,
     LeaseAcknowledged,
+    PrefillStarted,
     Side,
     Stream,
 )
@@ -274,12 +276,17 @@ def _fold_and_check(result: Replay, ordered: list[Event], request: str | None,
         if timeline is not None and (request is None or event.request_id == request):
             timeline.append((event, rec.state.value if rec is not None else "-"))
         if isinstance(event, Forgotten):  # the id is unknown again: so are its cross checks
-            _forget(result, freed_at, event)
+            _forget(result, event)
         elif stream.side is Side.P:
             if isinstance(event, Freed):
                 key = (stream.engine, stream.rank, event.request_id)
                 freed_at[key] = event.t
                 result.freed_under_read += _reads_in_flight(state, event)
+            elif isinstance(event, (PrefillStarted, Exported)):
+                # P's free time outlives P's record (P forgets a released request as it
+                # frees it): a READ D completes later is still checked against it, until
+                # the id names a new request of that P.
+                freed_at.pop((stream.engine, stream.rank, event.request_id), None)
         elif isinstance(rec, ConsumerRecord):
             if isinstance(event, Admitted):
                 result.named_producers.add(rec.remote_engine)
@@ -287,10 +294,9 @@ def _fold_and_check(result: Replay, ordered: list[Event], request: str | None,
     return folded
 
 
-def _forget(result: Replay, freed_at: dict, event: Event) -> None:
+def _forget(result: Replay, event: Event) -> None:
     stream, rid = event.stream, event.request_id
     if stream.side is Side.P:
-        freed_at.pop((stream.engine, stream.rank, rid), None)
         return
     result.gap_reported_at.pop((stream, rid), None)
     for key in result.proof_keys.pop((stream, rid), ()):

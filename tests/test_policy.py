@@ -245,9 +245,17 @@ def test_read_deadline_follows_the_stalest_p_rank_still_read():
     assert policy.read_deadline(rec, 30.0) == 11.0  # drained: every rank counts
 
 
+def _finished(state):
+    if state is PState.FREED:  # a lease that ran out, then freed (a released one: below)
+        ledger = ledger_in(PState.EXPIRED)
+        ledger.record(Freed, RID, 100.001)
+        return ledger
+    return ledger_in(state)
+
+
 @pytest.mark.parametrize("state", [PState.FREED, DState.DONE])
 def test_finished_records_are_forgotten_two_leases_after_they_ended(state):
-    ledger = ledger_in(state)  # the request's lease: 10 s
+    ledger = _finished(state)  # the request's lease: 10 s
     stream = P0 if isinstance(state, PState) else D0
     ended = ledger.state.record(stream, RID).t_end
     assert policy.to_forget(ledger.state, stream, ended + 20.0, 3.0) == []
@@ -262,3 +270,15 @@ def test_unfinished_records_are_never_forgotten(state):
     ledger = ledger_in(state)
     stream = P0 if isinstance(state, PState) else D0
     assert policy.to_forget(ledger.state, stream, 1e9, 1.0) == []
+
+
+def test_p_forgets_a_request_its_consumer_released_as_soon_as_it_is_freed():
+    ledger = ledger_in(PState.FREED)  # every consumer rank released, then freed
+    rec = ledger.state.record(P0, RID)
+    assert policy.forgotten_when_freed(rec)
+    assert policy.to_forget(ledger.state, P0, rec.t_end, 30.0) == [RID]
+    released = ledger_in(PState.RELEASED)  # not freed yet: the blocks are still P's
+    assert not policy.forgotten_when_freed(released.state.record(P0, RID))
+    assert policy.to_forget(released.state, P0, 1e9, 1.0) == []
+    expired = _finished(PState.FREED)
+    assert not policy.forgotten_when_freed(expired.state.record(P0, RID))

@@ -111,15 +111,32 @@ def test_an_event_the_fold_refuses_is_counted_never_raised(engine):
     assert engine.counts["refused_events"] == 1 and _state(engine, "r1") is PState.EXPORTED
 
 
-def test_finished_requests_are_forgotten_two_leases_later_and_the_log_says_so(engine):
+def test_an_expired_request_is_forgotten_two_leases_later_and_the_log_says_so(engine):
     _exported(engine)
-    engine.on_notification(D_AGENT, Release("r1", "decode-0", 0, "tok"), 1.0)
-    engine.poll(1.0)
-    engine.forget(1.0 + 2 * LEASE)
+    assert engine.poll(LEASE).expired == ["r1"]
+    engine.forget(LEASE + 2 * LEASE)
     assert _state(engine, "r1") is PState.FREED  # still answers precisely
-    engine.forget(1.0 + 2 * LEASE + 0.01)
+    (_, ack), = engine.on_notification(D_AGENT, _hb(["r1"]), LEASE + 1.0).acks
+    assert ack.time_left == {"r1": -1.0} and engine.counts["heartbeats_late"] == 1
+    engine.forget(LEASE + 2 * LEASE + 0.01)
     assert _state(engine, "r1") is None
     assert [e.kind for e in engine.log][-1] == "forgotten"
+    assert state_hash(fold(engine.log)) == state_hash(engine.state)
+    assert replay(engine.log).violations == []
+
+
+def test_a_released_request_is_forgotten_as_it_is_freed_and_a_crossing_heartbeat_hears_gone(
+        engine):
+    _exported(engine)
+    engine.on_notification(D_AGENT, Release("r1", "decode-0", 0, "tok"), 1.0)
+    assert engine.poll(1.0).freed == ["r1"]
+    assert _state(engine, "r1") is None
+    assert [e.kind for e in engine.log][-2:] == ["freed", "forgotten"]
+    (_, ack), = engine.on_notification(D_AGENT, _hb(["r1"], sent_at=0.9), 1.1).acks
+    assert ack.time_left == {"r1": -1.0}  # "gone": D treats it as "released" (P let go)
+    engine.on_notification(D_AGENT, Release("r1", "decode-0", 0, "tok"), 1.2)  # repeated
+    assert engine.poll(1.3).freed == [] and engine.counts["frees"] == 1
+    assert engine.counts["refused_events"] == 0
     assert state_hash(fold(engine.log)) == state_hash(engine.state)
     assert replay(engine.log).violations == []
 

@@ -66,7 +66,8 @@ class Engines:
         self.D.record(FinishedRecving, rid, t)
         notify_only = self.D.state.record(self.D.stream, rid).state is DState.FAILED
         self.D.record(ReleaseSent, rid, t, notify_only=notify_only)
-        if self.P.state.record(self.P.stream, rid).state is PState.EXPORTED:
+        p_rec = self.P.state.record(self.P.stream, rid)
+        if p_rec is not None and p_rec.state is PState.EXPORTED:
             self.P.record(ReleaseNotified, rid, t + 0.01, from_engine="decode-0", consumer_rank=0)
             self.P.record(Freed, rid, t + 0.02)
 
@@ -97,17 +98,22 @@ def test_clean_hand_off_passes_check(tmp_path, capsys):
     assert out["events"] == 13 and len(out["state_hash"]) == 32
 
 
-def test_a_free_on_ds_own_release_before_its_read_completed_is_served_freed(tmp_path, capsys):
+@pytest.mark.parametrize("p_forgets", [False, True], ids=["remembered", "forgotten_at_free"])
+def test_a_free_on_ds_own_release_before_its_read_completed_is_served_freed(
+        tmp_path, capsys, p_forgets):
     """D releases only after its reads drained, so an own release that beats the read is stale.
 
     (Until issue #9 replay exempted a D's own releases: a stale or early release
     freed P under the read, P later answered "released", D confirmed and served
-    the bytes, and --check said nothing.)
+    the bytes, and --check said nothing.)  P's engine forgets a released
+    request as it frees it; the free time still counts against D's read.
     """
     e = Engines(tmp_path)
     e.start_read("req-1", 1.0)
     e.P.record(ReleaseNotified, "req-1", 1.5, from_engine="decode-0", consumer_rank=0)
     e.P.record(Freed, "req-1", 1.5)
+    if p_forgets:
+        e.P.record(Forgotten, "req-1", 1.5)
     e.finish_read("req-1", 1.6)  # the ack at t=1.3 proves the lease until t=10.5
     code, out = _json(capsys, *e.close(), "--check")
     assert code == 1 and out["freed_under_read"] == 1
