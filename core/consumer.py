@@ -81,6 +81,7 @@ from kvhandoff.core.policy import (
     TimingConfig,
     heartbeat_period,
     heartbeat_plan,
+    last_vouched,
     next_heartbeat,
     read_deadline,
     report_due,
@@ -147,9 +148,12 @@ class ConsumerEngine(LedgerEngine):
         self._reqs: dict[str, _Request] = {}  # requests this rank still acts for
         self._reading: dict[str, None] = {}  # of those, with READs posted and not reported
         self._fresh: set[str] = set()  # admitted, not heartbeated yet
-        self._last_sent: dict[Hashable, float] = {}  # per peer: the last heartbeat
+        self._last_sent: dict[Hashable, float] = {}  # per peer: the last keep-alive
+        self._last_asked: dict[Hashable, float] = {}  # per peer: the last heartbeat of any kind
+        self._keepalive: set[Hashable] = set()  # peers the last poll planned a keep-alive for
         self._reasked: set[Hashable] = set()  # peers asked again for an overdue answer
-        self._awaiting: set[Hashable] = set()  # peers owing an answer, as the last poll saw
+        # per peer: the requests whose READs drained and wait for P's word, as the last poll saw
+        self._awaiting: dict[Hashable, list[str]] = {}
         self._deadline = math.inf  # the earliest READ deadline the last poll saw
         # The stream's requests in a heartbeat state, in the fold's order (what
         # `policy.heartbeat_due` finds by scanning every record), kept up to date
@@ -345,7 +349,7 @@ class ConsumerEngine(LedgerEngine):
         """Fail READs past their deadline, report what is due, plan the heartbeats."""
         step = ConsumerStep()
         wake = math.inf
-        awaiting: set[Hashable] = set()
+        awaiting: dict[Hashable, list[str]] = {}
         records, reqs, deadlines = self._records, self._reqs, self._deadlines
         timeout_s = self.timing.read_timeout_s
         for rid in list(self._reading):
@@ -374,7 +378,7 @@ class ConsumerEngine(LedgerEngine):
             if report_due(rec, now, self.timing):
                 self._finish(rid, rec, now, step)
             elif rec.drained:  # the bytes are here and wait only for P's word
-                awaiting.add(req.peer)
+                awaiting.setdefault(req.peer, []).append(rid)
                 wake = min(wake, deadline)
         self._awaiting, self._deadline = awaiting, wake
         self._plan_heartbeats(now, awaiting, step)
@@ -395,12 +399,15 @@ class ConsumerEngine(LedgerEngine):
     def due_at(self) -> float:
         """When ``poll`` has work at the latest, nothing new arriving (a READ deadline, a
         heartbeat): the driver may poll earlier (``poll`` then finds less to do)."""
-        return min(self._deadline, next_heartbeat(self._due(), self._last_sent, self._periods,
-                                                  self._awaiting, self._reasked))
+        return min(self._deadline, next_heartbeat(self._due(), self._last_sent, self._last_asked,
+                                                  self._periods, self._awaiting, self._reasked))
 
     def heartbeat_sent(self, peer: Hashable, hb: Heartbeat, now: float, urgent: bool) -> None:
         """The driver sent ``hb`` (planned by ``poll``, or fewer of its ids) to ``peer``."""
-        self._last_sent[peer] = now
+        self._last_asked[peer] = now
+        if peer in self._keepalive:
+            self._keepalive.discard(peer)
+            self._last_sent[peer] = now
         if urgent:
             self._reasked.add(peer)
         if not hb.request_ids:
@@ -425,11 +432,16 @@ class ConsumerEngine(LedgerEngine):
 
     # ---- decisions ----------------------------------------------------------------------
 
-    def _plan_heartbeats(self, now: float, awaiting: set[Hashable], step: ConsumerStep) -> None:
-        self._reasked &= awaiting
-        for peer, rids, urgent in heartbeat_plan(self._due(), now, self._last_sent,
-                                                 self._periods, self._fresh, awaiting,
-                                                 self._reasked):
+    def _plan_heartbeats(self, now: float, awaiting: dict[Hashable, list[str]],
+                         step: ConsumerStep) -> None:
+        self._reasked &= awaiting.keys()
+        self._keepalive.clear()
+        records = self._records
+        for peer, rids, urgent, keepalive in heartbeat_plan(
+                self._due(), now, self._last_sent, self._last_asked, self._periods, self._fresh,
+                awaiting, self._reasked, lambda rid: last_vouched(records[rid])):
+            if keepalive:
+                self._keepalive.add(peer)
             ordered = tuple(sorted(rids))
             tokens = tuple(self._reqs[rid].token for rid in ordered)
             step.heartbeats.append((peer, Heartbeat(self.stream.engine, self.stream.rank, now,

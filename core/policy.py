@@ -8,7 +8,7 @@ implies.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 
 from kvhandoff.core.events import Stream
@@ -27,6 +27,7 @@ from kvhandoff.core.lifecycle import (
 
 __all__ = [
     "TimingConfig", "Verdict", "heartbeat_due", "heartbeat_plan", "next_heartbeat", "report_due",
+    "last_vouched",
     "heartbeat_period", "read_deadline", "expired_leases", "to_free",
     "to_forget", "forgotten_when_freed", "lease_time_left", "read_verdict", "reads_to_report",
 ]
@@ -98,44 +99,70 @@ def heartbeat_period(interval_s: float, leases: Iterable[float]) -> float:
 
 
 def heartbeat_plan(due: Mapping[Hashable, list[str]], now: float,
-                   last_sent: Mapping[Hashable, float], periods: Mapping[Hashable, float],
-                   fresh: set[str], awaiting: set[Hashable], reasked: set[Hashable],
-                   ) -> list[tuple[Hashable, list[str], bool]]:
-    """D: which P ranks (``peer``) to heartbeat now, with every request due there.
+                   last_sent: Mapping[Hashable, float], last_asked: Mapping[Hashable, float],
+                   periods: Mapping[Hashable, float], fresh: set[str],
+                   awaiting: Mapping[Hashable, list[str]], reasked: set[Hashable],
+                   vouched: Callable[[str], float],
+                   ) -> list[tuple[Hashable, list[str], bool, bool]]:
+    """D: which P ranks (``peer``) to heartbeat now, and which of their requests to name.
 
-    ``due``: the requests to keep alive per peer (`heartbeat_due`, the peer
-    being the P rank a request reads).  A peer is heartbeated when its period
-    (`heartbeat_period`) has run since ``last_sent``, at once when a request
-    there was just admitted (``fresh``: P's answer is what proves the source
-    alive when the READ completes), and at once when a request there drained
-    its reads and waits only for P's word (``awaiting``), then every quarter
-    period while it still waits (``reasked``: an acknowledgement can be lost
-    like any notification).  Each heartbeat names every request due at that
-    peer, so a request never depends on periodic messages alone when those
-    are the ones being lost.  ``periods``: each peer's `heartbeat_period` of its
-    requests' leases (the caller keeps them with ``due``).  Returns (peer, request
-    ids, urgent).
+    Two kinds of heartbeat, both one message per peer:
+
+    * the **keep-alive**, once per period (`heartbeat_period`; ``periods`` per
+      peer) since the last one (``last_sent``), names every request due at
+      that peer (``due``: `heartbeat_due` grouped by the P rank a request
+      reads);
+    * the **ask**, between keep-alives, names only the requests that want
+      P's word now: one just admitted (``fresh``: P's answer is what proves the
+      source alive when its READ completes), one whose READs drained and wait
+      only for that word (``awaiting``, per peer) — at once, then every
+      quarter period since the last message (``last_asked``) while it still
+      waits (``reasked``: an acknowledgement can be lost like any
+      notification) — and, riding along, any request due there that P has not
+      vouched for within a period and a quarter (``vouched(rid)``: when P last
+      answered it alive, its admission before that; a keep-alive is taken as
+      lost when its answer is a quarter period late, as for the re-ask), so a
+      request whose keep-alives are the messages being lost is carried by the
+      asks that get through.
+
+    A busy peer therefore costs one keep-alive naming everything per period
+    plus asks naming only what is new, not every request on every message.
+    Returns (peer, request ids, urgent, keep-alive).
     """
     plan = []
     for peer, rids in due.items():
-        since = now - last_sent.get(peer, -math.inf)
         period = periods[peer]
-        urgent = peer in awaiting and (since >= period / 4 if peer in reasked else since > 0)
-        if since >= period or urgent or not fresh.isdisjoint(rids):
-            plan.append((peer, rids, urgent))
+        waiting = awaiting.get(peer, ())
+        since = now - last_asked.get(peer, -math.inf)
+        urgent = bool(waiting) and (since >= period / 4 if peer in reasked else since > 0)
+        if now - last_sent.get(peer, -math.inf) >= period:
+            plan.append((peer, rids, urgent, True))
+            continue
+        new = [rid for rid in rids if rid in fresh]
+        if urgent or new:
+            named = set(new).union(waiting)
+            named.update(rid for rid in rids if now - vouched(rid) >= period * 1.25)
+            plan.append((peer, [rid for rid in rids if rid in named], urgent, False))
     return plan
 
 
 def next_heartbeat(due: Mapping[Hashable, list[str]], last_sent: Mapping[Hashable, float],
-                   periods: Mapping[Hashable, float], awaiting: set[Hashable],
-                   reasked: set[Hashable]) -> float:
+                   last_asked: Mapping[Hashable, float], periods: Mapping[Hashable, float],
+                   awaiting: Mapping[Hashable, list[str]], reasked: set[Hashable]) -> float:
     """D: the earliest time `heartbeat_plan` names a peer, with nothing new happening."""
     at = math.inf
     for peer in due:
         period = periods[peer]
-        at = min(at, last_sent.get(peer, -math.inf)
-                 + (period / 4 if peer in awaiting and peer in reasked else period))
+        at = min(at, last_sent.get(peer, -math.inf) + period)
+        if awaiting.get(peer) and peer in reasked:
+            at = min(at, last_asked.get(peer, -math.inf) + period / 4)
     return at
+
+
+def last_vouched(rec: ConsumerRecord) -> float:
+    """D: when P last answered a heartbeat for ``rec`` alive (the heartbeat's send time, on
+    D's clock), or the request's admission when it never has."""
+    return max(rec.held_at.values(), default=rec.t0)
 
 
 def report_due(rec: ConsumerRecord, now: float, timing: TimingConfig) -> bool:

@@ -86,6 +86,41 @@ def test_one_heartbeat_per_p_rank_names_every_request_due_there(engine):
     assert sent == {P_AGENT: ("a", "b"), "prefill-0-agent-r1": ("c",)}
 
 
+def _named(step) -> dict:
+    return {peer: hb.request_ids for peer, hb, _ in step.heartbeats}
+
+
+def test_between_keep_alives_a_new_request_is_asked_for_alone(engine):
+    """One keep-alive per period names every request due at a P rank; an admission between
+    two asks P about the new request only, and does not move the keep-alive."""
+    _admit(engine, "a")
+    assert _named(_beat(engine, 0.0)) == {P_AGENT: ("a",)}  # keep-alive
+    engine.on_notification(P_AGENT, _ack(0.0, 12.0, "a"), 0.01)
+    _admit(engine, "b", t=0.5)
+    assert _named(_beat(engine, 0.5)) == {P_AGENT: ("b",)}  # ask
+    engine.on_notification(P_AGENT, _ack(0.5, 12.0, "b"), 0.51)
+    assert _beat(engine, 1.9).heartbeats == []
+    assert _named(_beat(engine, 2.0)) == {P_AGENT: ("a", "b")}  # the keep-alive, on time
+    assert engine.counts["heartbeats_sent"] == 3
+
+
+def test_a_request_p_has_not_vouched_for_within_a_period_rides_on_every_ask(engine):
+    """Its keep-alive (or P's answer) was lost — no answer a quarter period after it
+    should have come: the asks that get through carry it, so losing only keep-alives
+    cannot starve its lease while other messages pass."""
+    _admit(engine, "a")
+    _beat(engine, 0.0)
+    engine.on_notification(P_AGENT, _ack(0.0, 12.0, "a"), 0.01)
+    _admit(engine, "b", t=1.0)
+    _beat(engine, 1.0)
+    engine.on_notification(P_AGENT, _ack(1.0, 12.0, "b"), 1.01)
+    _beat(engine, 2.0)  # the keep-alive naming a and b: lost
+    _admit(engine, "c", t=2.4)
+    assert _named(_beat(engine, 2.4)) == {P_AGENT: ("c",)}  # its answer may still come
+    _admit(engine, "d", t=2.5)
+    assert _named(_beat(engine, 2.5)) == {P_AGENT: ("a", "d")}  # a: 2.5 s unvouched; b: 1.5 s
+
+
 def test_confirmed_reads_are_reported_once_then_p_is_released_with_the_token(engine):
     _reading(engine)
     _beat(engine, 0.0)

@@ -352,8 +352,9 @@ def test_regression_a_request_survives_losses_that_hit_only_its_periodic_heartbe
     # Found by the 1,000-seed sweep: heartbeats were capped at two losses in a
     # row per link, but urgent heartbeats for other requests got through in
     # between, so one request lost six periodic heartbeats in a row and its
-    # lease expired under the READ.  Urgent heartbeats now also carry every
-    # request whose proof of life is going stale.
+    # lease expired under the READ.  Asks (the heartbeats between keep-alives)
+    # now also carry every request whose proof of life is going stale
+    # (`policy.heartbeat_plan`; pinned by tests/test_consumer_engine.py).
     result = run_one("heartbeat_loss_tolerated", seed)
     assert result.metrics["freed_under_read"] == result.metrics["lease_expiries"] == 0
 

@@ -57,10 +57,12 @@ KINDS = ("periodic", "admission", "reask")
 
 
 def classify(since: float, period: float, fresh: bool) -> str:
-    """Why D sent a heartbeat to one P rank, ``since`` seconds after its last one there:
-    ``periodic`` when the pair's period had run (the timer; the first one too), else
-    ``admission`` when it names a request never heartbeated before (D heartbeats at once
-    for a new request), else ``reask`` (drained READs waiting for P's word)."""
+    """Why D sent a heartbeat to one P rank, ``since`` seconds after its last keep-alive
+    there: ``periodic`` (the keep-alive, naming every request due there) when the pair's
+    period had run (the first one too), else an ask naming only some: ``admission`` when it
+    names a request never heartbeated before (D asks at once for a new request), else
+    ``reask`` (drained READs waiting for P's word).  Only a ``periodic`` one restarts the
+    pair's timer (`policy.heartbeat_plan`)."""
     if since >= period:
         return "periodic"
     return "admission" if fresh else "reask"
@@ -106,7 +108,7 @@ class Fleet:
         self.reads: list = []  # heap of (done at, D rank, rid)
         self.dest: dict[str, tuple[int, int]] = {}  # rid -> (P rank, D rank)
         self.fresh: list[set] = [set() for _ in range(d)]  # admitted, not heartbeated yet
-        self.last_hb: dict[tuple[int, int], float] = {}
+        self.last_hb: dict[tuple[int, int], float] = {}  # per (D, P) pair: last keep-alive
         self.hb: Counter = Counter()  # (D rank, P rank, interval, kind) -> messages
         self.hb_ids = Counter()  # kind -> request ids named
         self.exported = self.freed = self.double_frees = self.acks = self.releases = 0
@@ -193,7 +195,8 @@ class Fleet:
             self.hb[(d, p, bucket, kind)] += 1
             self.hb_ids[kind] += len(hb.request_ids)
             fresh.difference_update(hb.request_ids)
-            self.last_hb[(d, p)] = now
+            if kind == "periodic":
+                self.last_hb[(d, p)] = now
             self._send(now, True, p, d, hb)
             engine.heartbeat_sent(peer, hb, now, urgent)
         for peer, release in step.releases:
