@@ -150,7 +150,8 @@ class ConsumerEngine(LedgerEngine):
         self._fresh: set[str] = set()  # admitted, not heartbeated yet
         self._last_sent: dict[Hashable, float] = {}  # per peer: the last keep-alive
         self._last_asked: dict[Hashable, float] = {}  # per peer: the last heartbeat of any kind
-        self._keepalive: set[Hashable] = set()  # peers the last poll planned a keep-alive for
+        # per peer: the time (``sent_at``) of the keep-alive the last poll planned there
+        self._keepalive: dict[Hashable, float] = {}
         self._reasked: set[Hashable] = set()  # peers asked again for an overdue answer
         # per peer: the requests whose READs drained and wait for P's word, as the last poll saw
         self._awaiting: dict[Hashable, list[str]] = {}
@@ -405,8 +406,8 @@ class ConsumerEngine(LedgerEngine):
     def heartbeat_sent(self, peer: Hashable, hb: Heartbeat, now: float, urgent: bool) -> None:
         """The driver sent ``hb`` (planned by ``poll``, or fewer of its ids) to ``peer``."""
         self._last_asked[peer] = now
-        if peer in self._keepalive:
-            self._keepalive.discard(peer)
+        if self._keepalive.get(peer) == hb.sent_at:  # that keep-alive, not an older ask
+            del self._keepalive[peer]
             self._last_sent[peer] = now
         if urgent:
             self._reasked.add(peer)
@@ -441,7 +442,7 @@ class ConsumerEngine(LedgerEngine):
                 self._due(), now, self._last_sent, self._last_asked, self._periods, self._fresh,
                 awaiting, self._reasked, lambda rid: last_vouched(records[rid])):
             if keepalive:
-                self._keepalive.add(peer)
+                self._keepalive[peer] = now
             ordered = tuple(sorted(rids))
             tokens = tuple(self._reqs[rid].token for rid in ordered)
             step.heartbeats.append((peer, Heartbeat(self.stream.engine, self.stream.rank, now,

@@ -116,8 +116,8 @@ def heartbeat_plan(due: Mapping[Hashable, list[str]], now: float,
       P's word now: one just admitted (``fresh``: P's answer is what proves the
       source alive when its READ completes), one whose READs drained and wait
       only for that word (``awaiting``, per peer) — at once, then every
-      quarter period since the last message (``last_asked``) while it still
-      waits (``reasked``: an acknowledgement can be lost like any
+      quarter period since the last message there (``last_asked``) while it
+      still waits (``reasked``: an acknowledgement can be lost like any
       notification) — and, riding along, any request due there that P has not
       vouched for within a period and a quarter (``vouched(rid)``: when P last
       answered it alive, its admission before that; a keep-alive is taken as
@@ -133,8 +133,8 @@ def heartbeat_plan(due: Mapping[Hashable, list[str]], now: float,
     for peer, rids in due.items():
         period = periods[peer]
         waiting = awaiting.get(peer, ())
-        since = now - last_asked.get(peer, -math.inf)
-        urgent = bool(waiting) and (since >= period / 4 if peer in reasked else since > 0)
+        urgent = bool(waiting) and (peer not in reasked
+                                    or now - last_asked.get(peer, -math.inf) >= period / 4)
         if now - last_sent.get(peer, -math.inf) >= period:
             plan.append((peer, rids, urgent, True))
             continue
@@ -149,7 +149,12 @@ def heartbeat_plan(due: Mapping[Hashable, list[str]], now: float,
 def next_heartbeat(due: Mapping[Hashable, list[str]], last_sent: Mapping[Hashable, float],
                    last_asked: Mapping[Hashable, float], periods: Mapping[Hashable, float],
                    awaiting: Mapping[Hashable, list[str]], reasked: set[Hashable]) -> float:
-    """D: the earliest time `heartbeat_plan` names a peer, with nothing new happening."""
+    """D: the earliest time `heartbeat_plan` names a peer, with nothing new happening.
+
+    (A request just admitted, or just drained, is something new: the driver
+    polls after admitting or completing, and that poll asks at once.  An
+    unvouched request only rides on asks, so it needs no wake of its own.)
+    """
     at = math.inf
     for peer in due:
         period = periods[peer]

@@ -71,6 +71,7 @@ from kvhandoff.core.lifecycle import (
     apply,
     gc_paused,
 )
+from kvhandoff.core.policy import REMEMBER_LEASES
 
 _TIME = attrgetter("t")
 
@@ -255,14 +256,25 @@ def _fold_and_check(result: Replay, ordered: list[Event], request: str | None,
     """The fold of ``ordered`` into ``result`` with the cross checks; the events folded."""
     state = result.state
     streams, violations = state.streams, result.violations
-    # P's free time per (P engine, P rank, request) and D's in-flight splits, for cross checks.
+    # P's free time per (P engine, P rank, request), for the cross checks: kept as long as
+    # P would remember a finished record (two of the request's leases), also when P forgot
+    # it sooner (a released request is forgotten as it is freed), and dropped then so the
+    # checks' memory stays bounded on a long log; ``expiring``: (until, key, free time).
     freed_at: dict[tuple[str, int, str], float] = {}
+    expiring: list[tuple[float, tuple[str, int, str], float]] = []
     folded = 0
     for event in ordered:
+        while expiring and expiring[0][0] < event.t:
+            _, key, t_free = heapq.heappop(expiring)
+            if freed_at.get(key) == t_free:
+                del freed_at[key]
         try:
             apply(state, event)
         except InvalidTransition as e:
-            name = "double_free" if isinstance(event, Freed) and e.state == PState.FREED else "transition"
+            freed_before = isinstance(event, Freed) and (
+                e.state == PState.FREED
+                or (event.stream.engine, event.stream.rank, event.request_id) in freed_at)
+            name = "double_free" if freed_before else "transition"
             violations.append(Violation(name, describe(event), str(e)))
             _skip(state, event)
             continue
@@ -281,11 +293,9 @@ def _fold_and_check(result: Replay, ordered: list[Event], request: str | None,
             if isinstance(event, Freed):
                 key = (stream.engine, stream.rank, event.request_id)
                 freed_at[key] = event.t
+                heapq.heappush(expiring, (event.t + REMEMBER_LEASES * rec.lease_s, key, event.t))
                 result.freed_under_read += _reads_in_flight(state, event)
-            elif isinstance(event, (PrefillStarted, Exported)):
-                # P's free time outlives P's record (P forgets a released request as it
-                # frees it): a READ D completes later is still checked against it, until
-                # the id names a new request of that P.
+            elif isinstance(event, (PrefillStarted, Exported)):  # the id names a new request
                 freed_at.pop((stream.engine, stream.rank, event.request_id), None)
         elif isinstance(rec, ConsumerRecord):
             if isinstance(event, Admitted):

@@ -104,6 +104,41 @@ def test_between_keep_alives_a_new_request_is_asked_for_alone(engine):
     assert engine.counts["heartbeats_sent"] == 3
 
 
+def test_an_ask_does_not_move_the_next_keep_alive(engine):
+    _admit(engine, "a")
+    _beat(engine, 0.0)
+    engine.on_notification(P_AGENT, _ack(0.0, 12.0, "a"), 0.01)
+    _admit(engine, "b", t=0.5)
+    _beat(engine, 0.5)  # an ask
+    assert engine.due_at == 2.0  # the keep-alive's period runs from 0.0, not from the ask
+
+
+def test_only_the_keep_alive_a_poll_planned_restarts_the_period(engine):
+    """A driver that sends an older poll's ask after a later poll planned the keep-alive
+    (and that keep-alive's send failed) has not sent the keep-alive."""
+    _admit(engine, "a")
+    _beat(engine, 0.0)
+    engine.on_notification(P_AGENT, _ack(0.0, 12.0, "a"), 0.01)
+    _admit(engine, "b", t=1.9)
+    (peer, ask, urgent), = engine.poll(1.9).heartbeats
+    assert ask.request_ids == ("b",)
+    (_, keep_alive, _), = engine.poll(2.0).heartbeats
+    assert keep_alive.request_ids == ("a", "b")
+    engine.heartbeat_sent(peer, ask, 2.0, urgent)  # the keep-alive is never sent
+    assert _named(_beat(engine, 2.1)) == {P_AGENT: ("a", "b")}
+
+
+def test_a_re_ask_names_only_the_requests_still_waiting_for_p(engine):
+    _admit(engine, "a")  # keeps its lease with P, proven
+    _reading(engine, "r1")
+    _beat(engine, 0.0)
+    engine.on_notification(P_AGENT, _ack(0.0, 12.0, "a"), 0.01)  # r1's answer is lost
+    engine.split_done("r1", 0, 0.3)
+    assert _named(_beat(engine, 0.3)) == {P_AGENT: ("r1",)}  # at once
+    assert _beat(engine, 0.79).heartbeats == []
+    assert _named(_beat(engine, 0.8)) == {P_AGENT: ("r1",)}  # a quarter period later
+
+
 def test_a_request_p_has_not_vouched_for_within_a_period_rides_on_every_ask(engine):
     """Its keep-alive (or P's answer) was lost — no answer a quarter period after it
     should have come: the asks that get through carry it, so losing only keep-alives

