@@ -25,13 +25,15 @@ pytest.importorskip("httpx")
 
 pytestmark = pytest.mark.timeout(900)
 
-# 256 tokens per cancelling request: the seeded plan closes 3 of 8 streams at tokens
-# 111-155, so D has 100+ tokens left when the close reaches it, however fast it decodes
-# (with 32 tokens D once finished every stream before the closes arrived: CI, 2 cores)
-PROMPTS, WARMUPS, CANCEL, CANCEL_OUT = 8, 1, 8, 256
+# 1,024 tokens per cancelling request, closed within the first 16: D has 1,000+ tokens
+# left when the close reaches it.  (Closed at tokens 111-155 of 256, D on a 2-core CI
+# machine once generated every token first: the router and the client, starved of CPU,
+# read far behind D, whose stream waited in socket buffers.)
+PROMPTS, WARMUPS, CANCEL, CANCEL_OUT, CANCEL_WITHIN = 8, 1, 8, 1024, 16
 ARGS = ["--concurrency", "4", "--num-prompts", str(PROMPTS), "--warmups", str(WARMUPS),
         "--input-len", "128", "--output-len", "8", "--cancel-requests", str(CANCEL),
-        "--cancel-output-len", str(CANCEL_OUT), "--cancel-share", "0.5"]
+        "--cancel-output-len", str(CANCEL_OUT), "--cancel-share", "0.5",
+        "--cancel-within", str(CANCEL_WITHIN)]
 KVH, NIXL = "KVHandoffConnector", "NixlConnector (vLLM 0.32)"
 
 
@@ -66,6 +68,16 @@ def test_vllm_bench_serve_runs_both_connectors(result):
                                       "itl_p50_ms", "itl_p99_ms"))
     assert result["engine_start_s"]["kvhandoff"] > 0 and result["engine_start_s"]["nixl"] > 0
     assert result["commit"] and result["date"] and "cores" in result["machine"]
+
+
+def test_the_cancel_plan_closes_within_the_bound_and_its_default_is_the_whole_output():
+    from kvhandoff.adapters.bench.serve import cancel_plan
+
+    within = cancel_plan(200, 0.5, 1024, 3, within=16)
+    assert {c is None for c in within} == {True, False}
+    assert all(c < 16 for c in within if c is not None)
+    assert cancel_plan(200, 0.5, 1024, 3) == cancel_plan(200, 0.5, 1024, 3, within=0)
+    assert max(c for c in cancel_plan(200, 0.5, 1024, 3) if c is not None) >= 16
 
 
 def test_cancelled_streams_closed_mid_stream(result):

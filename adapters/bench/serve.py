@@ -15,7 +15,8 @@ no prefix cache so every request moves its whole prompt), the example router
   ``--cancel-requests`` completions through the router and, for a random
   ``--cancel-share`` of them, closes the connection at a random moment: on
   the response's headers (D has the request, its KV may still be in flight)
-  or after a random number of tokens.  Counted: requests closed before the
+  or after a random number of tokens (fewer than ``--cancel-within``, the
+  whole output by default).  Counted: requests closed before the
   stream's finishing chunk, the tokens D generated (its
   ``vllm:generation_tokens_total``; vLLM 0.32 counts no aborts) against what
   it would have generated with no cancel, failures;
@@ -78,6 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests of the cancelling run (default 40; 0: no such run)")
     p.add_argument("--cancel-share", type=float, default=0.5,
                    help="share of them closed at a random moment (default 0.5)")
+    p.add_argument("--cancel-within", type=int, default=0,
+                   help="close each of them before this many tokens (default 0: anywhere in "
+                        "the output)")
     p.add_argument("--cancel-concurrency", type=int, default=4, help="(default 4)")
     p.add_argument("--cancel-output-len", type=int, default=64,
                    help="output tokens of the cancelling run's requests (default 64)")
@@ -225,11 +229,14 @@ def _bench_serve(route: _Route, concurrency: int, args: argparse.Namespace) -> d
 # ---- the cancelling client -------------------------------------------------------------
 
 
-def cancel_plan(n: int, share: float, output_len: int, seed: int) -> list[int | None]:
+def cancel_plan(n: int, share: float, output_len: int, seed: int,
+                within: int = 0) -> list[int | None]:
     """Per request: None (read to the end) or how many tokens to take before hanging up
-    (0: on the response's headers, before the first token)."""
+    (0: on the response's headers, before the first token), fewer than ``within`` (0: the
+    whole ``output_len``)."""
     rng = random.Random(seed)
-    return [rng.randrange(output_len) if rng.random() < share else None for _ in range(n)]
+    end = min(within, output_len) if within > 0 else output_len
+    return [rng.randrange(end) if rng.random() < share else None for _ in range(n)]
 
 
 async def _stream_one(client: Any, url: str, body: dict[str, Any],
@@ -276,7 +283,7 @@ def _cancel_run(route: _Route, args: argparse.Namespace) -> dict[str, Any]:
     prompts = prompts_for(n, args.input_len, args.input_len, args.seed + 1)
     bodies = [{"model": route.model, "prompt": p, "max_tokens": out, "temperature": 0,
                "ignore_eos": True, "stream": True, "return_token_ids": True} for p in prompts]
-    plan = cancel_plan(n, args.cancel_share, out, args.seed)
+    plan = cancel_plan(n, args.cancel_share, out, args.seed, args.cancel_within)
     generated_before = _metric(route.d.url, "vllm:generation_tokens_total") or 0.0
     t0 = time.monotonic()
     got = asyncio.run(cancelling_client(f"{route.router_url}/v1/completions", bodies, plan,
@@ -420,6 +427,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "input_len": args.input_len, "output_len": args.output_len,
                      "cancel_requests": args.cancel_requests, "cancel_share": args.cancel_share,
                      "cancel_concurrency": args.cancel_concurrency,
+                     "cancel_within": args.cancel_within,
                      "cancel_output_len": args.cancel_output_len, "warmups": args.warmups,
                      "seed": args.seed,
                      "serve_args": list(SERVE_ARGS), "lease_s": LEASE_S},
