@@ -287,7 +287,7 @@ def _fold_and_check(result: Replay, ordered: list[Event], request: str | None,
         rec = streams[stream].requests.get(event.request_id)
         if timeline is not None and (request is None or event.request_id == request):
             timeline.append((event, rec.state.value if rec is not None else "-"))
-        if isinstance(event, Forgotten):  # the id is unknown again: so are its cross checks
+        if isinstance(event, Forgotten):  # the id is unknown again: so are D's cross checks
             _forget(result, event)
         elif stream.side is Side.P:
             if isinstance(event, Freed):
@@ -307,7 +307,7 @@ def _fold_and_check(result: Replay, ordered: list[Event], request: str | None,
 def _forget(result: Replay, event: Event) -> None:
     stream, rid = event.stream, event.request_id
     if stream.side is Side.P:
-        return
+        return  # P's free time stays in ``freed_at`` until it expires (`_fold_and_check`)
     result.gap_reported_at.pop((stream, rid), None)
     for key in result.proof_keys.pop((stream, rid), ()):
         result.proofs.drop(key)
