@@ -54,6 +54,7 @@ from kvhandoff.core.events import (
     Admitted,
     ClientCancelled,
     Event,
+    FenceHeld,
     FinishedRecving,
     Forgotten,
     HeartbeatSent,
@@ -66,6 +67,7 @@ from kvhandoff.core.events import (
     Stream,
     Validated,
 )
+from kvhandoff.core.fence import fence_of
 from kvhandoff.core.ledger import LedgerEngine
 from kvhandoff.core.lifecycle import (
     HEARTBEAT_STATES,
@@ -118,6 +120,9 @@ class ConsumerStep:
     releases: list[tuple[Hashable, Release]] = field(default_factory=list)  # (to whom, message)
     finished: list[Finished] = field(default_factory=list)  # tell the host engine, once each
     timed_out: list[str] = field(default_factory=list)  # READs failed past their deadline
+    # fence READs to post now, each after its request's READs drained: (request, peer,
+    # P rank, slot); the driver answers each with ``fence_read``
+    fences: list[tuple[str, Hashable, int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -128,6 +133,9 @@ class _Request:
     token: str
     in_flight: set[int] = field(default_factory=set)  # splits whose READ still moves bytes
     splits_failed: bool = False  # failed by the deadline or given up: drains record nothing
+    fence: tuple[int, int] | None = None  # (slot, value) in P's fence region (`core.fence`)
+    fence_posted: float | None = None  # when its fence READ was planned (None: not yet)
+    fence_tried: bool = False  # its fence READ came back without proving anything
 
 
 _UNPROVEN = {
@@ -220,16 +228,22 @@ class ConsumerEngine(LedgerEngine):
 
     def admit(self, rid: str, now: float, *, peer: Hashable, remote_engine: str,
               remote_ranks: Iterable[int], num_blocks: int, lease_s: float, token: str = "",
-              local_id: str = "") -> bool:
-        """Take the request (heartbeated from now until its reads drained or P is released)."""
+              local_id: str = "", fence_slots: int = 0) -> bool:
+        """Take the request (heartbeated from now until its reads drained or P is released).
+
+        ``fence_slots``: the slots of the fence region the peer registered (0: none).  With a
+        fence the drained READs are proven by reading it, not by asking P at admission.
+        """
         if not self._record(Admitted, rid, now, remote_engine=remote_engine,
                             remote_ranks=tuple(remote_ranks), num_blocks=num_blocks,
                             lease_s=lease_s, lease_margin_s=self.timing.lease_margin_s,
                             local_request_id=local_id):
             return False
-        self._reqs[rid] = _Request(peer, token)
+        fence = fence_of(rid, token, fence_slots)
+        self._reqs[rid] = _Request(peer, token, fence=fence)
         self._due_cache = None
-        self._fresh.add(rid)
+        if fence is None:
+            self._fresh.add(rid)
         return True
 
     def validated(self, rid: str, now: float) -> bool:
@@ -326,6 +340,23 @@ class ConsumerEngine(LedgerEngine):
         req = self._reqs.get(rid)
         return len(req.in_flight) if req is not None else 0
 
+    def fence_read(self, rid: str, value: int | None, now: float) -> bool:
+        """The fence READ ``poll`` planned for ``rid`` came back with ``value`` (None: it
+        failed).  The request's value proves its READs (`FenceHeld`); anything else proves
+        nothing, and the request asks P instead.  True when it proved them."""
+        req = self._reqs.get(rid)
+        rec = self._rec(rid)
+        if (req is None or req.fence is None or req.fence_posted is None or req.fence_tried
+                or rid not in self._reading or not isinstance(rec, ConsumerRecord)):
+            return False
+        if value == req.fence[1] and self._record(FenceHeld, rid, now, p_rank=rec.split_ranks[0],
+                                                  posted_at=req.fence_posted):
+            self.counts["fences_held"] += 1
+            return True
+        req.fence_tried = True
+        self.counts["fences_missed"] += 1
+        return False
+
     # ---- what arrived -------------------------------------------------------------
 
     def on_notification(self, sender: Hashable, msg: Message, now: float) -> None:
@@ -379,8 +410,18 @@ class ConsumerEngine(LedgerEngine):
             if report_due(rec, now, self.timing):
                 self._finish(rid, rec, now, step)
             elif rec.drained:  # the bytes are here and wait only for P's word
-                awaiting.setdefault(req.peer, []).append(rid)
                 wake = min(wake, deadline)
+                if req.fence is not None and not req.fence_tried:
+                    if req.fence_posted is None:  # read P's fence rather than ask P
+                        ranks = set(rec.split_ranks)
+                        if len(ranks) == 1:
+                            req.fence_posted = now
+                            step.fences.append((rid, req.peer, rec.split_ranks[0], req.fence[0]))
+                            continue
+                        req.fence_tried = True
+                    else:
+                        continue  # its fence READ is in flight
+                awaiting.setdefault(req.peer, []).append(rid)
         self._awaiting, self._deadline = awaiting, wake
         self._plan_heartbeats(now, awaiting, step)
         return step

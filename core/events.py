@@ -196,6 +196,17 @@ class LeaseAcknowledged(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class FenceHeld(Event):
+    """D read P rank ``p_rank``'s fence slot for this request, posted at ``posted_at`` (D's
+    clock, after every READ from that rank drained), and found the request's value there:
+    P held the source at a time after ``posted_at`` (`core.fence`)."""
+
+    p_rank: int = 0
+    posted_at: float = 0.0
+    kind: ClassVar[str] = "fence_held"
+
+
+@dataclass(frozen=True, slots=True)
 class FinishedRecving(Event):
     """The worker reported the request's reads drained (exactly once)."""
 
@@ -238,7 +249,7 @@ PRODUCER_EVENTS: tuple[type[Event], ...] = (
 )
 CONSUMER_EVENTS: tuple[type[Event], ...] = (
     Admitted, Validated, Rejected, ReadsPosted, SplitCompleted, SplitFailed, ClientCancelled,
-    LeaseAcknowledged, FinishedRecving, ReleaseSent, HeartbeatSent, Forgotten,
+    LeaseAcknowledged, FenceHeld, FinishedRecving, ReleaseSent, HeartbeatSent, Forgotten,
 )
 EVENT_TYPES: dict[str, type[Event]] = {c.kind: c for c in PRODUCER_EVENTS + CONSUMER_EVENTS}
 

@@ -361,6 +361,19 @@ def _acknowledge(ss, rec: ConsumerRecord, ev) -> ConsumerRecord | None:
     return rec
 
 
+def _fence_held(ss, rec: ConsumerRecord, ev) -> ConsumerRecord:
+    # The slot held the request's value when it was read, at or after
+    # ``posted_at``: P had not freed the source then, so every split of that
+    # rank completed by ``posted_at`` read sound bytes, whatever P answered.
+    if not ev.posted_at <= ev.t or ev.p_rank not in rec.split_ranks:
+        raise _Refused(f"fence of P rank {ev.p_rank} posted at t={ev.posted_at}, read by "
+                       f"t={ev.t}; splits read ranks {rec.split_ranks}")
+    rank = ev.p_rank
+    rec.held_at[rank] = max(rec.held_at.get(rank, -math.inf), ev.posted_at)
+    rec.safe_until[rank] = max(rec.safe_until.get(rank, -math.inf), ev.posted_at)
+    return rec
+
+
 def _note_heartbeat(ss, rec: ConsumerRecord, ev) -> ConsumerRecord:
     rec.last_heartbeat = ev.t
     return rec
@@ -452,6 +465,7 @@ D_GRAPH: tuple[tuple, ...] = (
     ("release_sent", [D.FAILED, D.REJECTED, D.CANCELLED], D.DONE, None, _notify_only),
     ("lease_acknowledged", [s for s in D if s is not D.NEW], "=", _acknowledge, None),
     ("lease_acknowledged", [D.NEW], "=", _ignore("unknown_request"), None),
+    ("fence_held", [D.READING, D.CANCELLED_READING], "=", _fence_held, None),
     ("heartbeat_sent", sorted(HEARTBEAT_STATES), "=", _note_heartbeat, None),
     ("forgotten", [D.DONE], D.NEW, None, None),
 )

@@ -59,6 +59,7 @@ from kvhandoff.core.events import (
     ReleaseNotified,
     Stream,
 )
+from kvhandoff.core.fence import CLEARED, fence_of
 from kvhandoff.core.ledger import LedgerEngine
 from kvhandoff.core.lifecycle import LifecycleState, ProducerRecord, PState
 from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Message, Release
@@ -77,9 +78,12 @@ _TO_FREE = frozenset({PState.RELEASED, PState.EXPIRED, PState.ABORTED})
 
 @dataclass(slots=True)
 class ProducerStep:
-    """What the driver must do after an input: send these answers, free these requests."""
+    """What the driver must do after an input: write these fence slots, then free these
+    requests, and send these answers."""
 
     acks: list[tuple[str, HeartbeatAck]] = field(default_factory=list)  # (to whom, answer)
+    # (slot, value) to write into this rank's fence region, in order, before any free
+    fences: list[tuple[int, int]] = field(default_factory=list)
     freed: list[str] = field(default_factory=list)  # free now (exactly once each)
     expired: list[str] = field(default_factory=list)  # of the freed: their lease ran out
 
@@ -90,9 +94,14 @@ class ProducerEngine(LedgerEngine):
     side = "producer"
 
     def __init__(self, stream: Stream, lease_s: float, state: LifecycleState | None = None,
-                 sink: Callable[[Event], None] | None = None) -> None:
+                 sink: Callable[[Event], None] | None = None, fence_slots: int = 0) -> None:
         super().__init__(stream, state, sink)
         self.lease_s = lease_s
+        # The fence (`core.fence`): this rank's slots (0: none registered), which request's
+        # value each slot holds, and the writes the next ``poll`` hands the driver.
+        self.fence_slots = fence_slots
+        self._fence_owner: dict[int, str] = {}
+        self._fence_out: list[tuple[int, int]] = []
         self._deferred: list[tuple[float, str, Heartbeat]] = []  # (first seen, sender, ids)
         # Hints that keep ``poll`` from scanning every record of a hot P each step
         # (100,000 live leases: ~30 ms a scan).  The fold still decides: a lease
@@ -115,6 +124,10 @@ class ProducerEngine(LedgerEngine):
         if ok:
             self.counts["leases_exported"] += 1
             self._due_at = min(self._due_at, self._rec(rid).deadline)
+            fence = fence_of(rid, token, self.fence_slots)
+            if fence is not None:  # a slot another live export holds is taken: it then asks P
+                self._fence_owner[fence[0]] = rid
+                self._fence_out.append(fence)
         return ok
 
     def aborted(self, rid: str, now: float, reason: str) -> None:
@@ -177,8 +190,10 @@ class ProducerEngine(LedgerEngine):
     # ---- time passing --------------------------------------------------------------
 
     def poll(self, now: float) -> ProducerStep:
-        """Answer held-back heartbeats, reap expired leases, name what to free now."""
+        """Answer held-back heartbeats, reap expired leases, name what to free now (and the
+        fence writes of what was exported since, and of what is freed, to carry out first)."""
         step = ProducerStep()
+        step.fences, self._fence_out = self._fence_out, []
         deferred, self._deferred = self._deferred, []
         for since, sender, hb in deferred:
             try:  # a peer's message costs only itself, whatever it does
@@ -202,7 +217,11 @@ class ProducerEngine(LedgerEngine):
             rec = self._rec(rid)
             if rec is not None and rec.state in _TO_FREE:
                 released = rec.state is PState.RELEASED
+                fence = fence_of(rid, rec.token, self.fence_slots) if self.fence_slots else None
                 if self._record(Freed, rid, now):
+                    if fence is not None and self._fence_owner.get(fence[0]) == rid:
+                        del self._fence_owner[fence[0]]  # cleared before the blocks go back
+                        step.fences.append((fence[0], CLEARED))
                     step.freed.append(rid)
                     self.counts["frees"] += 1
                     self.counts["leases_released"] += released

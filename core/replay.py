@@ -24,8 +24,13 @@ Invariants checked (ARCHITECTURE.md):
   completed: an answer ``time_left > 0`` to a heartbeat D had sent at
   ``sent_at`` proves the lease until ``sent_at + max(min(time_left, lease)
   − margin, 0)``; after an answer ``<= 0`` (P let go) only the latest
-  ``sent_at`` P answered alive stays proven.  Checked from the log's events,
-  not from the fold's verdict.
+  ``sent_at`` P answered alive stays proven; a fence D read holding the
+  request's value (``fence_held``) proves the source held when it was posted
+  (docs/lifecycle.md, "The fence").  Checked from the log's events, not from
+  the fold's verdict.
+* ``fence_after_free`` — D's log says the fence held the request's value
+  when it was posted, after P's log freed the request there: P cleared the
+  slot before that free, so the fence lied (a transport or driver bug).
 * ``leak`` — an exported request that P still held one lease after its
   deadline, at the end of P's log.
 
@@ -54,6 +59,7 @@ from kvhandoff.core.events import (
     Admitted,
     Event,
     Exported,
+    FenceHeld,
     Forgotten,
     Freed,
     LeaseAcknowledged,
@@ -113,6 +119,13 @@ class ProofLedger:
         else:
             self._held[key] = (held, True)
             self._until[key] = min(self._until.get(key, -math.inf), held)
+
+    def fence(self, key, posted_at: float) -> None:
+        """D read the fence, posted at ``posted_at``, and found the request's value: P held the
+        source then (`core.fence`), whatever it answered before or after."""
+        held, let_go = self._held.get(key, (-math.inf, False))
+        self._held[key] = (max(held, posted_at), let_go)
+        self._until[key] = max(self._until.get(key, -math.inf), posted_at)
 
     def drop(self, key) -> None:
         """Forget what was proven for ``key`` (its request id was forgotten: a re-use is new)."""
@@ -339,6 +352,16 @@ def _check_consumer(result: Replay, freed_at: dict, event: Event, rec: ConsumerR
         key = (event.stream, event.request_id, event.p_rank)
         result.proofs.note(key, event.sent_at, event.time_left, rec.lease_s, rec.margin)
         result.proof_keys.setdefault((event.stream, event.request_id), set()).add(key)
+    elif isinstance(event, FenceHeld):
+        key = (event.stream, event.request_id, event.p_rank)
+        result.proofs.fence(key, event.posted_at)
+        result.proof_keys.setdefault((event.stream, event.request_id), set()).add(key)
+        t_free = freed_at.get((rec.remote_engine, event.p_rank, event.request_id))
+        if t_free is not None and event.posted_at > t_free:
+            result.violations.append(Violation(
+                "fence_after_free", describe(event),
+                f"the fence of {rec.remote_engine} rank {event.p_rank}, posted at "
+                f"t={event.posted_at}, held the request's value after P freed it at t={t_free}"))
     # A gap counts from the later of the last heartbeat and the last report, so
     # none is reported unless the one from the last heartbeat alone is too long.
     if event.t - rec.last_heartbeat > rec.lease_s and (

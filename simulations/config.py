@@ -94,6 +94,9 @@ class RunConfig:
     # READs, or P's proof of them, still missing this long after posting: give up (fail).
     # Three leases: the slow-fabric scenarios read for up to 2.5 leases while P answers.
     read_timeout_s: float = 90.0
+    # P's fence slots per rank (`core.fence`; the kvhandoff policy).  Few enough that live
+    # requests collide now and then: a collision costs an ask, never a wrong proof.
+    fence_slots: int = 512
 
     # engine loops
     p_step_s: float = 0.004

@@ -40,6 +40,7 @@ import numpy as np
 from kvhandoff.core.consumer import ConsumerEngine, ConsumerStep, Finished
 from kvhandoff.core.errors import GeometryMismatch, MalformedMessage
 from kvhandoff.core.events import Side, Stream
+from kvhandoff.core.fence import fence_of
 from kvhandoff.core.lifecycle import DState, LifecycleState
 from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Release, decode, encode
 from kvhandoff.core.planning import (
@@ -55,8 +56,16 @@ from kvhandoff.simulations.config import RunConfig
 from kvhandoff.simulations.loop import EngineLoop
 from kvhandoff.simulations.policies import DecodePolicy
 from kvhandoff.simulations.prefill import SimRequest, TransferParams
-from kvhandoff.transports.base import ReadRequest, TransportError, group_splits
+from kvhandoff.transports.base import (
+    ReadRequest,
+    TransportError,
+    fence_region,
+    fence_split,
+    group_splits,
+)
 from kvhandoff.transports.sim import SimBlockPool, SimNetwork
+
+_LANDING_SLOTS = 256  # per D rank: fence READs in flight at once (more wait for an ask)
 
 
 @dataclass(slots=True)
@@ -98,9 +107,21 @@ class DecodeEngine:
         # the region pairs a read posts are the local group's, as P names them too).
         self.layouts: list | None = [] if cfg.hybrid else None
         self.remote_layouts: list = []
+        # The fence (`core.fence`): P's slots, and per rank the landing slots free for the
+        # fence READs it posts (one per request whose READs drained, until it lands).
+        self.fence_slots = cfg.fence_slots if policy.fences else 0
+        self.landing: list[np.ndarray] = []
+        self.free_landing: list[list[int]] = []
+        self.fence_handles: dict[tuple[int, int], tuple[str, int, int, float]] = {}
+        self.fences_landed = 0  # fence READs that completed (each moved FENCE_BYTES)
         for d, agent in enumerate(self.agents):
             names = kv.region_names(cfg.regions, [d % k], k)
             regions, words = kv.rank_memory(names, cfg.d_blocks, cfg.block_bytes)
+            if self.fence_slots:
+                region, landing = fence_region(_LANDING_SLOTS)
+                regions.append(region)
+                self.landing.append(landing)
+                self.free_landing.append(list(range(_LANDING_SLOTS - 1, -1, -1)))
             agent.register(regions)
             self.words.append(words)
             if self.layouts is not None:
@@ -152,6 +173,9 @@ class DecodeEngine:
                 self._on_notification(d, n.peer, n.message, now)
         for d, agent in enumerate(self.agents):
             for c in agent.poll():
+                if (d, c.handle) in self.fence_handles:
+                    self._fence_landed(d, c.handle, c.ok, now)
+                    continue
                 rid, split = self.handles.pop((d, c.handle))
                 self.engines[d].split_done(rid, split, now, c.ok, c.reason)
                 if not c.ok:
@@ -194,10 +218,39 @@ class DecodeEngine:
             if rec is not None and msg.sent_at <= rec.last_heartbeat:
                 self.proofs.note((d, rid, msg.rank), msg.sent_at, left, rec.lease_s, rec.margin)
 
+    def _fence_landed(self, d: int, handle: int, ok: bool, now: float) -> None:
+        """Rank ``d``'s fence READ completed: what it found goes to the engine, and (checked
+        apart from the fold, as P's answers are) into the proofs when it is the request's."""
+        rid, local, slot, posted_at = self.fence_handles.pop((d, handle))
+        value = int(self.landing[d][local]) if ok else None
+        self.fences_landed += ok
+        self.free_landing[d].append(local)
+        expected = fence_of(rid, self.tokens.get(rid, ""), self.fence_slots)
+        if expected is not None and value == expected[1] and slot == expected[0]:
+            self.proofs.fence((d, rid, d // self.k), posted_at)
+        self.engines[d].fence_read(rid, value, now)
+
+    def _post_fence(self, d: int, rid: str, peer: str, slot: int, now: float) -> None:
+        """Post the fence READ rank ``d``'s engine planned; one that cannot be posted proves
+        nothing (the engine asks P instead)."""
+        if not self.free_landing[d]:
+            self.engines[d].fence_read(rid, None, now)
+            return
+        local = self.free_landing[d].pop()
+        try:
+            handle = self.agents[d].post_split_read(peer, [fence_split(slot, local)])
+        except TransportError:
+            self.free_landing[d].append(local)
+            self.engines[d].fence_read(rid, None, now)
+            return
+        self.fence_handles[(d, handle)] = (rid, local, slot, now)
+
     def _carry_out(self, d: int, step: ConsumerStep, now: float) -> None:
         """Send what rank ``d``'s engine decided; conclude requests every rank reported."""
-        if not (step.heartbeats or step.releases or step.finished):
+        if not (step.heartbeats or step.releases or step.finished or step.fences):
             return  # most polls decide nothing
+        for rid, peer, _rank, slot in step.fences:
+            self._post_fence(d, rid, peer, slot, now)
         agent = self.agents[d]
         for peer, hb, urgent in step.heartbeats:
             if self.policy.stop_heartbeat_on_cancel:  # vLLM: a cancel ends the heartbeat
@@ -263,7 +316,8 @@ class DecodeEngine:
         for d, engine in enumerate(self.engines):
             engine.admit(rid, now, peer=self.peers[d], remote_engine=params.remote_engine,
                          remote_ranks=(d // self.k,), num_blocks=params.num_blocks,
-                         lease_s=cfg.lease_s, token=params.token, local_id=f"local-{req.serial}")
+                         lease_s=cfg.lease_s, token=params.token, local_id=f"local-{req.serial}",
+                         fence_slots=self.fence_slots)
         if req.cancelled:  # cancelled before this step admitted it: release P at once
             self._end_without_reads(req, rid, "cancel", "cancelled", now)
             return

@@ -5,7 +5,8 @@ in the decisions the races are about, on both sides:
 
 * ``kvhandoff``: D heartbeats exactly what `core.policy.heartbeat_due` says
   (a client cancel with reads in flight keeps heartbeating until the reads
-  drained), waits for P's acknowledgement to prove the source was held and
+  drained), proves the source was held by reading P's fence after the reads
+  drained (or, where the fence proves nothing, by P's acknowledgement) and
   passes bytes on only when `read_verdict` is CONFIRMED, and releases after
   ``finished_recving``.  P mints a release token, answers heartbeats with the
   time left, takes the sender of a notification from the transport peer (as
@@ -17,7 +18,7 @@ in the decisions the races are about, on both sides:
   notification; P counts every such notification, from whoever sends it,
   with no per-rank dedupe, until it has N; P sends no acknowledgement, so D
   serves whatever its completed reads brought in; a heartbeat extends the
-  lease to ``max(old, now + 2/3 lease)``.  The log still records the core's
+  lease to ``max(old, now + 2/3 lease)``; no fence.  The log still records the core's
   verdict (a FAILED request in the log that the model served anyway is
   exactly the bug).
 """
@@ -37,11 +38,12 @@ class DecodePolicy:
     acknowledges: bool = True  # P answers heartbeats with the time left; D waits for that proof
     checks_sender: bool = True  # P binds the transport peer and counts one release per rank
     lease_extension: float = 1.0  # a heartbeat moves the deadline to now + this * lease
+    fences: bool = True  # P keeps a fence slot per export; D reads it rather than ask P
 
 
 KVHANDOFF = DecodePolicy("kvhandoff", stop_heartbeat_on_cancel=False, serve_unconfirmed=False,
                          mint_tokens=True)
 VLLM_032 = DecodePolicy("vllm-0.32", stop_heartbeat_on_cancel=True, serve_unconfirmed=True,
                         mint_tokens=False, release_with_reads=True, acknowledges=False,
-                        checks_sender=False, lease_extension=2 / 3)
+                        checks_sender=False, lease_extension=2 / 3, fences=False)
 POLICY_BY_NAME = {p.name: p for p in (KVHANDOFF, VLLM_032)}

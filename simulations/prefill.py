@@ -28,6 +28,7 @@ from kvhandoff.simulations import kv
 from kvhandoff.simulations.config import RunConfig
 from kvhandoff.simulations.loop import EngineLoop
 from kvhandoff.simulations.policies import KVHANDOFF, DecodePolicy
+from kvhandoff.transports.base import fence_region
 from kvhandoff.transports.sim import SimBlockPool, SimNetwork
 
 
@@ -77,8 +78,14 @@ class PrefillEngine:
         self.words: list[np.ndarray] = []  # per rank: (regions, blocks, words) of its memory
         k = cfg.heads_per_p_rank  # head groups per P rank: one per D rank reading it
         names = kv.region_names(cfg.regions, range(k), k)
+        fence_slots = cfg.fence_slots if policy.fences else 0
+        self.fences: list[np.ndarray] = []  # per rank: its fence slots (`core.fence`)
         for agent in self.agents:
             regions, words = kv.rank_memory(names, cfg.p_blocks, cfg.block_bytes)
+            if fence_slots:
+                region, slots = fence_region(fence_slots)
+                regions.append(region)
+                self.fences.append(slots)
             agent.register(regions)
             self.words.append(words)
         # Hybrid models: every group overlaid on these regions, ids from the one pool.
@@ -92,7 +99,8 @@ class PrefillEngine:
         self.consumers = [tuple(range(r * k, (r + 1) * k)) for r in range(cfg.tp)]
         # (vLLM extends by 2/3 of the lease; the core extends by the exported
         # lease, so that model exports 2/3 of it: docs/simulation.md.)
-        self.engines = [ProducerEngine(s, cfg.lease_s * policy.lease_extension, self.state, sink)
+        self.engines = [ProducerEngine(s, cfg.lease_s * policy.lease_extension, self.state, sink,
+                                       fence_slots=fence_slots)
                         for s in self.streams]
         self.pool = SimBlockPool(self.agents, cfg.p_blocks)
         self.queue: deque[SimRequest] = deque()
@@ -233,7 +241,10 @@ class PrefillEngine:
     def _reap(self, now: float) -> int:
         freed = 0
         for rank, engine in enumerate(self.engines):
-            for rid in engine.poll(now).freed:
+            step = engine.poll(now)
+            for slot, value in step.fences:  # before any free: a cleared slot proves nothing
+                self.fences[rank][slot] = value
+            for rid in step.freed:
                 self.pool.free(self.blocks[rid], rank)
                 freed += 1
         return freed

@@ -142,6 +142,24 @@ def _hb_loss(cfg: RunConfig, rng: random.Random) -> None:
     cfg.cancel = CancelPlan(0.3, ("reads_posted",), (0.001, 10.0))
 
 
+@scenario("acknowledgements_lost",
+          "every acknowledgement P sends is lost: D proves its drained READs by reading P's "
+          "fence, without P's word (without the fence every request fails unproven)")
+def _acks_lost(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.notif_faults = {"ack": NotifFaults(drop=1.0)}
+    _slow_reads(cfg, share=0.3, lo=0.01, hi=0.2)
+    cfg.read_timeout_s = 2 * cfg.lease_s  # an unproven request fails within the run
+
+
+@scenario("fence_slot_collisions",
+          "P has two fence slots for many live requests: exports overwrite each other's "
+          "values, so D often finds another request's value, proves nothing by it and asks P")
+def _fence_collisions(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.fence_slots = 2
+    cfg.requests = rng.randint(16, 32)
+    _slow_reads(cfg, share=0.5, lo=0.01, hi=0.2)
+
+
 @scenario("partition_beyond_lease",
           "P and D are cut off for longer than the lease while READs are in flight: P "
           "expires and reuses the blocks; D must fail those requests, not serve them")
@@ -202,6 +220,7 @@ def _impersonation(cfg: RunConfig, rng: random.Random) -> None:
           "reads (\"alive for a lease\") while P's own answers are being lost: D must take a "
           "lease answer only from the P rank a request reads, and never serve on a forged one")
 def _forged_ack(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.fence_slots = 0  # P registered no fence: D's only proof is an answer from P
     cfg.forged_acks = rng.uniform(0.5, 1.0)
     cfg.notif_faults = {"ack": NotifFaults(drop=rng.uniform(0.5, 0.8), max_consecutive_drops=4)}
     _slow_reads(cfg, share=0.3, lo=0.01, hi=0.1)
@@ -273,6 +292,7 @@ def _swarm(cfg: RunConfig, rng: random.Random) -> None:
     lease = cfg.lease_s
     cfg.tp = rng.randint(1, 4)
     cfg.requests = rng.randint(8, 24)
+    cfg.fence_slots = rng.choice((0, 2, 512))  # no fence, colliding slots, or enough
     if maybe(0.3):
         cfg.d_blocks = rng.randint(16, 48)
     if maybe():

@@ -422,8 +422,10 @@ class World:
         """The rule, on effects: while a READ owns P's blocks, heartbeats for it really leave.
 
         For every READ in flight, the time since D last sent a heartbeat naming
-        its request to the P rank it reads must stay under the lease — whatever
-        state the fold is in (measured on what D sent, not on its states).
+        its request to the P rank it reads (or, before the first, since D admitted
+        it: with a fence D asks nothing at admission, and its first keep-alive
+        comes within a period) must stay under the lease — whatever state the
+        fold is in (measured on what D sent, not on its states).
         """
         now, lease = self.clock.now, self.cfg.lease_s
         for d in self.decoders:
@@ -432,7 +434,9 @@ class World:
             for (rank, _), (rid, _) in d.handles.items():
                 p_rank = rank // d.k
                 last = d.last_beat.get((rid, p_rank))
-                assert last is not None and now - last < lease, (
+                if last is None:
+                    last = d.state.record(d.streams[rank], rid).t0
+                assert now - last < lease, (
                     f"{d.name} {rid}: READ from P rank {p_rank} in flight, no heartbeat sent "
                     f"to it for {now - (last if last is not None else 0.0):.3f}s (lease {lease}s)")
 

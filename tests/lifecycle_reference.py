@@ -178,6 +178,13 @@ class ReferenceModel:
             r.done[i] = t if kind == "split_completed" else "failed"
             r.failed = r.failed or kind == "split_failed"
             return APPLIED, r
+        if kind == "fence_held":  # docs/lifecycle.md, "The fence"
+            rank, at = f["p_rank"], f["posted_at"]
+            if s not in READING_STATES or at > t or rank not in r.split_ranks:
+                return REFUSED, None
+            r.held[rank] = max(r.held.get(rank, -math.inf), at)
+            r.bound[rank] = max(r.bound.get(rank, -math.inf), at)
+            return APPLIED, r
         if kind == "heartbeat_sent":
             r.last_hb = t
             return self._move(r, s in HEARTBEATING, s)

@@ -14,6 +14,7 @@ import pytest
 
 from kvhandoff.core.consumer import ConsumerEngine, ParamsReused, RequestIdCollision
 from kvhandoff.core.events import Side, Stream
+from kvhandoff.core.fence import fence_of
 from kvhandoff.core.lifecycle import DState, Verdict
 from kvhandoff.core.messages import HeartbeatAck, Release
 from kvhandoff.core.policy import TimingConfig
@@ -309,3 +310,83 @@ def test_due_at_names_the_next_heartbeat_and_the_next_deadline(engine):
 def test_refused_events_are_counted_never_raised(engine):
     assert not engine.validated("nope", 0.0)
     assert engine.counts["refused_events"] == 1
+
+
+# --- the fence (docs/lifecycle.md, "The fence") ---------------------------------------
+
+SLOTS = 64
+
+
+def _fenced(e: ConsumerEngine, rid="r1", t=0.0, token="tok"):
+    assert e.admit(rid, t, peer=P_AGENT, remote_engine="prefill-0", remote_ranks=(0,),
+                   num_blocks=4, lease_s=12.0, token=token, local_id=f"local-{rid}",
+                   fence_slots=SLOTS)
+    assert e.validated(rid, t)
+    assert e.reads_posted(rid, t, (0, 0))
+
+
+def test_with_a_fence_a_new_request_is_not_asked_about_it_waits_for_the_keep_alive(engine):
+    _fenced(engine, "r1")
+    assert [hb.request_ids for _, hb, _ in _beat(engine, 0.0).heartbeats] == [("r1",)]  # first
+    _fenced(engine, "r2", t=0.5)
+    assert _beat(engine, 0.5).heartbeats == []  # no ask: the fence will prove its READs
+    assert [hb.request_ids for _, hb, _ in _beat(engine, 2.0).heartbeats] == [("r1", "r2")]
+
+
+def test_drained_reads_post_one_fence_read_and_the_request_s_value_proves_them(engine):
+    _fenced(engine)
+    _beat(engine, 0.0)
+    engine.split_done("r1", 0, 0.2)
+    assert engine.poll(0.25).fences == []  # a split still reads: no fence yet
+    engine.split_done("r1", 1, 0.3)
+    step = engine.poll(0.3)
+    slot, value = fence_of("r1", "tok", SLOTS)
+    assert step.fences == [("r1", P_AGENT, 0, slot)] and step.heartbeats == []
+    assert engine.poll(0.31).fences == []  # posted once
+    assert engine.fence_read("r1", value, 0.32)
+    (f,), = [_beat(engine, 0.32).finished]
+    assert f.ok and f.verdict is Verdict.CONFIRMED
+    (event,) = [e for e in engine.log if e.kind == "fence_held"]
+    assert event.p_rank == 0 and event.posted_at == 0.3  # posted after both splits drained
+    assert replay(engine.log).violations == []
+
+
+@pytest.mark.parametrize("value", [None, 0, 12345], ids=["read failed", "cleared", "another"])
+def test_a_fence_that_does_not_hold_the_request_s_value_proves_nothing_d_asks_p(engine, value):
+    _fenced(engine)
+    _beat(engine, 0.0)
+    engine.split_done("r1", 0, 0.2)
+    engine.split_done("r1", 1, 0.3)
+    assert engine.poll(0.3).fences
+    assert not engine.fence_read("r1", value, 0.4)
+    step = _beat(engine, 0.4)
+    assert step.finished == [] and [hb.request_ids for _, hb, _ in step.heartbeats] == [("r1",)]
+    assert step.heartbeats[0][2]  # urgent: the bytes wait for P's word
+    assert engine.fence_read("r1", fence_of("r1", "tok", SLOTS)[1], 0.45) is False  # once
+    engine.on_notification(P_AGENT, _ack(0.4, 10.0), 0.5)
+    (f,) = engine.poll(0.5).finished
+    assert f.ok
+
+
+def test_no_fence_without_p_s_slots_or_without_a_token(engine):
+    assert fence_of("r1", "", SLOTS) is None and fence_of("r1", "tok", 0) is None
+    for rid, token, slots in (("r1", "", SLOTS), ("r2", "tok", 0)):
+        assert engine.admit(rid, 0.0, peer=P_AGENT, remote_engine="prefill-0",
+                            remote_ranks=(0,), num_blocks=4, lease_s=12.0, token=token,
+                            fence_slots=slots)
+    (_, hb, _), = _beat(engine, 0.0).heartbeats
+    assert hb.request_ids == ("r1", "r2")
+    _admit(engine, "r3", 0.5)
+    assert [hb.request_ids for _, hb, _ in _beat(engine, 0.5).heartbeats] == [("r3",)]  # asked
+
+
+def test_a_fence_read_that_lands_after_the_request_gave_up_is_ignored(engine):
+    _fenced(engine)
+    _beat(engine, 0.0)
+    engine.split_done("r1", 0, 0.2)
+    engine.split_done("r1", 1, 0.3)
+    assert engine.poll(0.3).fences
+    (f,) = engine.poll(30.0).finished  # past read_timeout_s: reported failed, unproven
+    assert not f.ok
+    assert not engine.fence_read("r1", fence_of("r1", "tok", SLOTS)[1], 30.1)
+    assert engine.counts["refused_events"] == 0

@@ -16,6 +16,7 @@ from kvhandoff.core.events import (
     Admitted,
     ClientCancelled,
     Exported,
+    FenceHeld,
     FinishedRecving,
     Forgotten,
     Freed,
@@ -39,8 +40,10 @@ from kvhandoff.core.lifecycle import (
     TABLES,
     DState,
     PState,
+    Verdict,
     apply,
     fold,
+    read_verdict_of,
 )
 from kvhandoff.core.replay import state_hash
 
@@ -87,6 +90,7 @@ LEGAL = [
     *[(s, LeaseAcknowledged, dict(p_rank=0, sent_at=0.0, time_left=1.0), s)
       for s in D if s is not D.NEW],
     (D.NEW, LeaseAcknowledged, dict(p_rank=0, sent_at=0.0, time_left=1.0), D.NEW),
+    *[(s, FenceHeld, dict(p_rank=0, posted_at=10.0), s) for s in (D.READING, D.CANCELLED_READING)],
     *[(s, HeartbeatSent, {}, s) for s in (D.ADMITTED, D.VALIDATED, D.REJECTED, D.CANCELLED,
                                           D.READING, D.CANCELLED_READING)],
 ]
@@ -163,7 +167,7 @@ def test_illegal_transition_raises_and_changes_nothing(state, event):
 
 def test_illegal_sample_is_large():
     assert len(ILLEGAL) > 100
-    assert len(EVENT_TYPES) == 19
+    assert len(EVENT_TYPES) == 20
 
 
 @pytest.mark.parametrize(("state", "event", "fields", "reason"), [
@@ -268,3 +272,53 @@ def test_release_token_keeps_strays_from_freeing_a_live_lease():
 def test_lease_times_are_math():
     ledger = ledger_in(P.PREFILLING)
     assert ledger.state.record(P0, RID).deadline == math.inf
+
+
+# --- the fence (docs/lifecycle.md, "The fence") --------------------------------------
+
+
+def _drained_reads(ack: bool = False):
+    """A request whose two splits from P rank 0 completed at t=1 and t=2, unproven."""
+    ledger = ledger_in(D.READING)
+    if ack:  # P answered a heartbeat sent at t=0: alive, 10 s left (bound 0 + 10 - 0.5)
+        ledger.record(LeaseAcknowledged, RID, 0.5, p_rank=0, sent_at=0.0, time_left=10.0)
+    ledger.record(SplitCompleted, RID, 1.0, split=0)
+    ledger.record(SplitCompleted, RID, 2.0, split=1)
+    return ledger
+
+
+def test_a_fence_posted_after_the_reads_drained_proves_them_without_p_s_answer():
+    ledger = _drained_reads()
+    rec = ledger.state.record(D0, RID)
+    assert read_verdict_of(rec) is Verdict.PENDING
+    ledger.record(FenceHeld, RID, 2.5, p_rank=0, posted_at=2.0)
+    assert read_verdict_of(ledger.state.record(D0, RID)) is Verdict.CONFIRMED
+    ledger.record(FinishedRecving, RID, 2.6)
+    assert _state_of(ledger) is D.RECEIVED
+
+
+def test_a_fence_posted_before_a_split_completed_does_not_prove_that_split():
+    ledger = _drained_reads()
+    ledger.record(FenceHeld, RID, 2.5, p_rank=0, posted_at=1.5)  # split 1 completed at 2.0
+    assert read_verdict_of(ledger.state.record(D0, RID)) is Verdict.PENDING
+
+
+def test_a_fence_still_proves_what_it_saw_after_p_answered_gone():
+    """P's "gone" (a lease that ran out after the fence was read, or a reordered answer)
+    cannot undo what the fence saw: P held the source when the slot was read."""
+    ledger = _drained_reads()
+    ledger.record(FenceHeld, RID, 2.5, p_rank=0, posted_at=2.0)
+    ledger.record(LeaseAcknowledged, RID, 2.7, p_rank=0, sent_at=0.0, time_left=-1.0)
+    assert read_verdict_of(ledger.state.record(D0, RID)) is Verdict.CONFIRMED
+
+
+@pytest.mark.parametrize(("fields", "why"), [
+    (dict(p_rank=0, posted_at=3.0), "posted after it was read"),
+    (dict(p_rank=1, posted_at=2.0), "a rank the request does not read"),
+])
+def test_a_fence_that_cannot_be_true_is_refused(fields, why):
+    ledger = _drained_reads()
+    before = state_hash(ledger.state)
+    with pytest.raises(InvalidTransition):
+        ledger.record(FenceHeld, RID, 2.5, **fields)
+    assert state_hash(ledger.state) == before, why

@@ -51,6 +51,7 @@ from kvhandoff.core.events import (
     Admitted,
     ClientCancelled,
     Exported,
+    FenceHeld,
     FinishedRecving,
     Forgotten,
     Freed,
@@ -405,6 +406,45 @@ class HandoffMachine(RuleBasedStateMachine):
         else:
             self._event(D0, ClientCancelled, rid)
 
+    def _fenceable(self) -> list[tuple[str, int]]:
+        """(request, P rank) whose splits from that rank drained (completed or failed: the fold
+        takes the fence either way), while P still holds it
+        there (after a free the slot no longer holds the request's value: nothing to fold)."""
+        return [(rid, rank) for rid in self._d_in(*READING_STATES)
+                for rank in sorted(set(self.model.d_rec(rid).split_ranks))
+                if (rank, rid) not in self.freed_at and all(d is not None for r, d in zip(
+                    self.model.d_rec(rid).split_ranks, self.model.d_rec(rid).done, strict=True)
+                    if r == rank)]
+
+    def _unfreed_ranks(self) -> list[tuple[str, int]]:
+        return [(rid, rank) for rid in self._d_in(*READING_STATES)
+                for rank in sorted(set(self.model.d_rec(rid).split_ranks))
+                if (rank, rid) not in self.freed_at]
+
+    @precondition(lambda self: self._unfreed_ranks())
+    @rule(data=st.data(), cancel=st.booleans())
+    def a_rank_drains_and_d_reads_its_fence(self, data, cancel) -> None:
+        """A rank's last splits complete and D reads that rank's fence at once (or the
+        client cancels first: the cancelled READs still drain into D's pages)."""
+        rid, rank = data.draw(st.sampled_from(self._unfreed_ranks()))
+        if cancel:
+            self._event(D0, ClientCancelled, rid)
+        rec = self.model.d_rec(rid)
+        for i, (k, done) in enumerate(zip(rec.split_ranks, rec.done, strict=True)):
+            if k == rank and done is None:
+                self._event(D0, SplitCompleted, rid, split=i)
+        self._read_fence(rid, rank)
+
+    @precondition(lambda self: self._fenceable())
+    @rule(data=st.data())
+    def d_reads_p_s_fence(self, data) -> None:
+        """After a rank's splits drained, D reads that rank's fence slot now: it holds the
+        request's value while P has not freed the request there (`core.fence`)."""
+        self._read_fence(*data.draw(st.sampled_from(self._fenceable())))
+
+    def _read_fence(self, rid: str, rank: int) -> None:
+        self._event(D0, FenceHeld, rid, p_rank=rank, posted_at=self.t)
+
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
     def the_client_cancels_at_any_time(self, data) -> None:
@@ -622,6 +662,8 @@ _FIELDS = {
     "lease_acknowledged": {"p_rank": st.just(0), "sent_at": st.just(0.0),
                            "time_left": st.just(1.0)},
     "release_sent": {"notify_only": st.booleans()},
+    "fence_held": {"p_rank": st.sampled_from([0, 1, 2]),
+                   "posted_at": st.sampled_from([0.0, 1e9])},
 }
 assert set(_FIELDS) == set(EVENT_TYPES)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from kvhandoff.core.events import Side, Stream
+from kvhandoff.core.fence import CLEARED, fence_of
 from kvhandoff.core.lifecycle import PState, fold
 from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Release
 from kvhandoff.core.producer import ProducerEngine
@@ -188,3 +189,37 @@ def test_an_idle_poll_does_not_scan_the_fold_until_a_lease_may_have_run_out(monk
     assert e.poll(LEASE).freed == [] and scans == [LEASE]  # looked once: nothing expired
     assert e.due_at == 1.0 + LEASE  # b's is next
     assert e.poll(1.0 + LEASE).freed == ["b"]
+
+
+# --- the fence (docs/lifecycle.md, "The fence") ---------------------------------------
+
+
+def test_an_export_writes_its_fence_value_and_the_free_clears_it_first():
+    e = ProducerEngine(P0, LEASE, fence_slots=64)
+    _exported(e, "r1")
+    slot, value = fence_of("r1", "tok", 64)
+    assert e.poll(0.1).fences == [(slot, value)]
+    e.on_notification(D_AGENT, Release("r1", "decode-0", 0, "tok"), 1.0)
+    step = e.poll(1.0)
+    assert step.fences == [(slot, CLEARED)] and step.freed == ["r1"]
+
+
+def test_a_slot_taken_by_a_later_export_is_left_to_it_when_the_first_is_freed():
+    e = ProducerEngine(P0, LEASE, fence_slots=1)  # every export collides
+    _exported(e, "r1", token="a")
+    _exported(e, "r2", token="b")
+    (s1, v1), (s2, v2) = e.poll(0.1).fences
+    assert s1 == s2 == 0 and v1 != v2  # the slot holds r2's value now
+    e.on_notification(D_AGENT, Release("r1", "decode-0", 0, "a"), 1.0)
+    step = e.poll(1.0)
+    assert step.freed == ["r1"] and step.fences == []  # r1's value is gone already
+    step = e.poll(LEASE + 1.0)  # r2's lease runs out
+    assert step.freed == ["r2"] and step.fences == [(0, CLEARED)]
+
+
+def test_without_slots_or_a_token_there_is_no_fence(engine):
+    _exported(engine, "r1")
+    assert engine.poll(0.1).fences == []
+    e = ProducerEngine(P0, LEASE, fence_slots=64)
+    _exported(e, "r1", token="")
+    assert e.poll(0.1).fences == []

@@ -9,6 +9,7 @@ closes.  A failing assertion prints the command that reproduces the run.
 from __future__ import annotations
 
 import os
+from collections import Counter
 
 import orjson
 import pytest
@@ -94,6 +95,38 @@ def test_vllm_032_serves_freed_bytes_after_a_partition_longer_than_the_lease():
     assert new.totals["freed_under_read"] > 0
     assert new.totals["served_corrupt"] == 0
     assert new.totals["failed"] > 0
+
+
+def test_with_every_acknowledgement_lost_the_fence_proves_reads_that_would_all_fail():
+    """P's fence (docs/lifecycle.md, "The fence"): D proves its drained READs by reading it,
+    so losing every answer P sends costs nothing; without it (P registers no slots, as
+    before the fence) every such request fails unproven.  A request whose slot another
+    export took still fails (it can only ask P, who cannot be heard)."""
+    fenced = sweep(["acknowledgements_lost"], range(10), "kvhandoff")
+    unfenced = Counter()
+    for seed in range(10):
+        cfg = build("acknowledgements_lost", seed)
+        cfg.fence_slots = 0
+        result = World(cfg).run()
+        assert not result.violations
+        unfenced.update(result.metrics)
+    assert not fenced.violations
+    assert unfenced["served"] == 0 and unfenced["failed"] == unfenced["requests"]
+    assert fenced.totals["served"] >= 0.9 * unfenced["requests"]  # same seeds, same requests
+
+
+def test_colliding_fence_slots_prove_nothing_wrong_d_asks_p_instead():
+    """Two slots for up to 32 live requests: most fence READs find another request's value;
+    those requests are proven by P's answer, and nothing unproven or freed is served."""
+    missed = held = 0
+    for seed in range(6):
+        world = World(build("fence_slot_collisions", seed))
+        result = world.run()
+        assert not result.violations, result.violations
+        assert result.metrics["served"] == result.metrics["requests"]
+        missed += sum(e.counts["fences_missed"] for e in world.d.engines)
+        held += sum(e.counts["fences_held"] for e in world.d.engines)
+    assert missed > 0 and held > 0
 
 
 def test_vllm_032_frees_on_a_stray_release_and_kvhandoffs_token_stops_it():

@@ -17,6 +17,7 @@ from dataclasses import replace
 import pytest
 from test_simulations_hybrid import _by_stream, _frees_follow_every_split, _split_ends, events
 
+from kvhandoff.core.fence import FENCE_BYTES
 from kvhandoff.core.groups import Memory
 from kvhandoff.core.planning import blocks_needed
 from kvhandoff.simulations.runner import run_one, sweep
@@ -220,7 +221,8 @@ def test_tp2_d_rank_1_never_waits_for_the_shared_pool_and_p_rank_1_frees_after_i
     """TP 2 with one host pool: D rank 0 reads the source group (from P rank 0) and the
     indexer, D rank 1 only its indexer.  P rank 1 frees once, after D rank 1's indexer
     split, often before D rank 0's host split ended; D concludes each request once, after
-    every split of both ranks.  The fabric moved exactly those splits' bytes."""
+    every split of both ranks.  The fabric moved exactly those splits' bytes, and the fence
+    words D read after them."""
     for policy in POLICIES:
         early = 0
         for seed in range(4):
@@ -253,7 +255,8 @@ def test_tp2_d_rank_1_never_waits_for_the_shared_pool_and_p_rank_1_frees_after_i
                     early += freed[(rid, 1)] < host
                     assert len(concluded[rid]) == 1, "D concludes a request once"
                     assert concluded[rid][0] >= max(host, indexer)
-            assert world.net.stats.bytes_read == moved
+            # (and the fence READs kvhandoff's D posts after the splits drained)
+            assert world.net.stats.bytes_read == moved + FENCE_BYTES * world.d.fences_landed
         assert early, policy
 
 

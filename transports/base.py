@@ -36,6 +36,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
+from kvhandoff.core.fence import FENCE_BYTES, FENCE_REGION
 from kvhandoff.core.planning import BlockRun, GroupRead  # reads are planned by the core
 
 
@@ -119,6 +122,19 @@ class ReadSplit:
 def group_splits(reads: Sequence[GroupRead]) -> list[ReadSplit]:
     """The `ReadSplit`\\ s that post planned group reads (`core.planning.GroupRead`), in order."""
     return [ReadSplit(part.runs, part.regions) for read in reads for part in read.parts]
+
+
+def fence_region(slots: int) -> tuple[KVRegion, np.ndarray]:
+    """A fence region of ``slots`` words in host memory (`core.fence`): P's slots, or D's
+    landing slots for the fence READs it posts; registered with the KV regions.  Returns
+    the region and its words (``uint64``, zeroed: every slot cleared)."""
+    words = np.zeros(slots, np.uint64)
+    return KVRegion(FENCE_REGION, words, slots, FENCE_BYTES), words
+
+
+def fence_split(slot: int, local_slot: int) -> ReadSplit:
+    """The one READ split that copies P's fence ``slot`` into D's landing ``local_slot``."""
+    return ReadSplit((BlockRun(slot, local_slot, 1),), ((FENCE_REGION, FENCE_REGION),))
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from kvhandoff.core.fence import FENCE_REGION
 from kvhandoff.transports.base import (
     Completion,
     InvalidRead,
@@ -351,6 +352,8 @@ class SimNetwork:
                                           f"{local_name!r} ({remote[0]} remote, "
                                           f"{local.shape[0]} local blocks)")
                     nbytes += run.count * local.shape[1]
+            if any(FENCE_REGION in pair for pair in split.regions):
+                continue  # fence slots are no KV blocks: "freed under read" counts blocks
             for run in split.runs:
                 src_blocks.extend(range(run.remote_start, run.remote_start + run.count))
                 dst_blocks.extend(range(run.local_start, run.local_start + run.count))
@@ -554,7 +557,8 @@ class SimTransport:
     def post_read(self, peer: str, read: ReadRequest, notif: bytes | None = None) -> int:
         if not read.runs:
             raise InvalidRead("a READ needs at least one block run")
-        names = read.regions if read.regions is not None else tuple(self._regions)
+        names = read.regions if read.regions is not None else tuple(
+            n for n in self._regions if n != FENCE_REGION)  # every KV region
         return self.post_split_read(peer, [ReadSplit(read.runs, tuple((n, n) for n in names))],
                                     notif)
 
@@ -684,8 +688,9 @@ class SimBlockPool:
                     net.stats.freed_under_read += 1
                 else:
                     net.stats.overwritten_under_read += 1
-            for rows in agent._regions.values():
-                rows[live] = POISON
+            for name, rows in agent._regions.items():
+                if name != FENCE_REGION:  # fence slots are P's, written by its engine
+                    rows[live] = POISON
         holders, free = self._holders, self._free
         for b in live:
             held[b] = 0

@@ -63,6 +63,7 @@ from typing import Any
 
 import structlog
 
+from kvhandoff.core.fence import FENCE_REGION
 from kvhandoff.transports.base import (
     Completion,
     KVRegion,
@@ -291,7 +292,8 @@ class NixlTransport:
     # -- READs --------------------------------------------------------------
 
     def post_read(self, peer: str, read: ReadRequest, notif: bytes | None = None) -> int:
-        names = read.regions if read.regions is not None else tuple(self._local.regions)
+        names = read.regions if read.regions is not None else tuple(
+            n for n in self._local.regions if n != FENCE_REGION)  # every KV region
         return self.post_split_read(peer, [ReadSplit(read.runs, tuple((n, n) for n in names))],
                                     notif)
 
