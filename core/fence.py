@@ -26,12 +26,13 @@ from __future__ import annotations
 
 from hashlib import blake2b
 
-__all__ = ["FENCE_BYTES", "FENCE_REGION", "FENCE_SLOTS", "CLEARED", "fence_of"]
+__all__ = ["FENCE_BYTES", "FENCE_REGION", "FENCE_SLOTS", "LANDING_SLOTS", "CLEARED", "fence_of"]
 
 FENCE_REGION = "kvhandoff.fence"  # the registered region's name, on P and on D (landing slots)
 FENCE_BYTES = 8  # one little-endian unsigned word per slot
 FENCE_SLOTS = 1 << 16  # P's slots by default (512 KiB); a collision only costs an ask
 CLEARED = 0  # what P writes before it frees (no request's value is 0)
+LANDING_SLOTS = 1024  # D's slots per rank for its fence READs in flight (more: D asks P)
 
 
 def fence_of(request_id: str, token: str, slots: int) -> tuple[int, int] | None:

@@ -40,7 +40,7 @@ import numpy as np
 from kvhandoff.core.consumer import ConsumerEngine, ConsumerStep, Finished
 from kvhandoff.core.errors import GeometryMismatch, MalformedMessage
 from kvhandoff.core.events import Side, Stream
-from kvhandoff.core.fence import fence_of
+from kvhandoff.core.fence import LANDING_SLOTS, fence_of
 from kvhandoff.core.lifecycle import DState, LifecycleState
 from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Release, decode, encode
 from kvhandoff.core.planning import (
@@ -64,8 +64,6 @@ from kvhandoff.transports.base import (
     group_splits,
 )
 from kvhandoff.transports.sim import SimBlockPool, SimNetwork
-
-_LANDING_SLOTS = 256  # per D rank: fence READs in flight at once (more wait for an ask)
 
 
 @dataclass(slots=True)
@@ -118,10 +116,10 @@ class DecodeEngine:
             names = kv.region_names(cfg.regions, [d % k], k)
             regions, words = kv.rank_memory(names, cfg.d_blocks, cfg.block_bytes)
             if self.fence_slots:
-                region, landing = fence_region(_LANDING_SLOTS)
+                region, landing = fence_region(LANDING_SLOTS)
                 regions.append(region)
                 self.landing.append(landing)
-                self.free_landing.append(list(range(_LANDING_SLOTS - 1, -1, -1)))
+                self.free_landing.append(list(range(LANDING_SLOTS - 1, -1, -1)))
             agent.register(regions)
             self.words.append(words)
             if self.layouts is not None:

@@ -207,6 +207,9 @@ def test_parameters_read_again_after_the_release_are_refused_not_served(workers,
                                reads=[Read("L5b", [[3, 4]])]))
         _, recved, failed = _pump(p, d2, lambda s, r, f: "L5b" in r, timeout=LEASE * 2)
         assert failed == {"L5b"}
+        # P cleared the request's fence slot before it freed: the second reader's fence
+        # READ proved nothing, and P's answer said gone.
+        assert d2.consumer.counts["fences_missed"] == 1 and not d2.consumer.counts["fences_held"]
     finally:
         d2.close()
 
@@ -748,3 +751,50 @@ def test_replay_trace_of_a_real_worker_pair_s_logs_is_well_formed(workers, tmp_p
                  and got["threads"][e["pid"], e["tid"]] == "r31"]
     assert len(splits) == 1 and len(lease_end) == 1
     assert lease_end[0]["args"]["ended_by"] == "freed" and lease_end[0]["ts"] >= splits[0]["ts"]
+
+
+# --- the fence (docs/lifecycle.md, "The fence") ----------------------------------------
+
+
+def test_the_fence_proves_a_read_when_every_answer_from_p_is_lost(workers, monkeypatch):
+    """P's answers never reach D: D proves each drained READ by reading P's fence slot over
+    NIXL (one more one-sided READ), reports it received and serves P's exact bytes."""
+    p, d, pc, dc, port = workers
+    monkeypatch.setattr(p, "_p_send", lambda step: None)  # every acknowledgement lost
+    for i, (blocks, dest) in enumerate((((5, 9), [1, 2]), ((11, 12, 13), [3, 4, 5]))):
+        rid, local = f"f{i}", f"LF{i}"
+        _export(p, rid, len(blocks), f"tok-f{i}")
+        d.start_step(StepPlan(admits=[Admit(local, _params(rid, port, blocks, f"tok-f{i}"), "",
+                                            len(blocks) * BLOCK)], reads=[Read(local, [dest])]))
+        sent, recved, failed = _pump(p, d, lambda s, r, f, rid=rid, local=local:
+                                     rid in s and local in r)
+        assert failed == set() and _same(pc, dc, blocks, dest)
+        kinds = _kinds(d, rid)
+        assert "lease_acknowledged" not in kinds
+        assert kinds.index("split_completed") < kinds.index("fence_held") \
+            < kinds.index("finished_recving")
+    assert d.consumer.counts["fences_held"] == 2 and d.consumer.counts["acks_received"] == 0
+    assert analyse_logs([p.flush(), d.flush()])["replay_violations"] == 0
+
+
+def test_a_p_without_fence_slots_is_asked_at_admission_as_before(tmp_path):
+    port = _port()
+    extra = {"lease_s": LEASE, "heartbeat_interval_s": 0.3, "lease_margin_s": 0.2,
+             "log_dir": str(tmp_path), "side_channel_port": port, "read_timeout_s": 10.0}
+    p = HandoffWorker(HandoffConfig.from_extra({**extra, "fence_slots": 0}, env={}), "P-w",
+                      Side.P, 0, 1, COMPAT)
+    d = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "D-w", Side.D, 0, 1, COMPAT)
+    try:
+        pc, dc = _caches(True), _caches(False)
+        p.register_kv_caches(pc, LAYOUT)
+        d.register_kv_caches(dc, LAYOUT)
+        for i in range(2):  # the second is admitted between keep-alives: it is asked about
+            _done_handoff(p, d, port, f"n{i}", f"LN{i}", (5 + i,), f"tok-n{i}", [1 + i])
+            kinds = _kinds(d, f"n{i}")
+            assert "fence_held" not in kinds
+            assert kinds.index("heartbeat_sent") < kinds.index("finished_recving")
+        assert _same(pc, dc, (5, 6), (1, 2))
+        assert d.consumer.counts["fences_held"] == d.consumer.counts["fences_missed"] == 0
+    finally:
+        d.close()
+        p.close()

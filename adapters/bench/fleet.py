@@ -43,10 +43,12 @@ import time
 import tracemalloc
 from collections import Counter, deque
 
+import numpy as np
 import orjson
 
 from kvhandoff.core.consumer import ConsumerEngine
 from kvhandoff.core.events import Side, Stream
+from kvhandoff.core.fence import FENCE_SLOTS
 from kvhandoff.core.log import LogWriter
 from kvhandoff.core.messages import HeartbeatAck, Release, decode, encode
 from kvhandoff.core.policy import HEARTBEATS_PER_LEASE, TimingConfig
@@ -95,10 +97,16 @@ class Fleet:
         self.p_paths = [os.path.join(log_dir, f"{P_ENGINE}.r{r}.jsonl") for r in range(p)]
         self.d_paths = [os.path.join(log_dir, f"{D_ENGINE}.r{r}.jsonl") for r in range(d)]
         self.writers = [LogWriter(path, 1 << 20) for path in self.p_paths + self.d_paths]
-        self.p_eng: list = [ProducerEngine(Stream(P_ENGINE, Side.P, r), self.lease_s, None, w)
+        self.p_eng: list = [ProducerEngine(Stream(P_ENGINE, Side.P, r), self.lease_s, None, w,
+                                           fence_slots=FENCE_SLOTS)
                             for r, w in enumerate(self.writers[:p])]
         self.d_eng: list = [ConsumerEngine(Stream(D_ENGINE, Side.D, r), self.timing, None, w)
                             for r, w in enumerate(self.writers[p:])]
+        # Each P rank's fence slots (`core.fence`), written as its engine says; a fence READ
+        # reads its slot ``delay_s`` after D posted it.
+        self.fence = [np.zeros(FENCE_SLOTS, np.uint64) for _ in range(p)]
+        self.fence_reads: list = []  # heap of (done at, D rank, rid, P rank, slot)
+        self.fences_held = self.fences_missed = 0
         self.p_peer = [f"{P_ENGINE}.r{r}" for r in range(p)]  # D's name of each P rank
         self.wire: deque = deque()  # (deliver at, to P?, index, from index, bytes)
         self.proxy: deque = deque()  # (deliver at, D rank, rid, P rank, token, blocks)
@@ -147,6 +155,9 @@ class Fleet:
             self.proxy.append((now + self.delay_s, d, _copy(rid), r, _copy(token), 8))
         self.prefilling[r].clear()
         step = engine.poll(now)
+        fence = self.fence[r]
+        for slot, value in step.fences:  # before the frees, as every driver does
+            fence[slot] = value
         for _, ack in step.acks:  # held-back heartbeats (none here: exports come first)
             self._send(now, False, self.dest[next(iter(ack.time_left))][1],
                        r, ack)
@@ -162,7 +173,7 @@ class Fleet:
 
     # -- D rank: the simulator's `DecodeEngine._step` -------------------------------------
 
-    def _d_step(self, d: int, now: float, admits: list, drained: list) -> None:
+    def _d_step(self, d: int, now: float, admits: list, drained: list, fenced: list) -> None:
         engine = self.d_eng[d]
         for src, data in self.d_in[d]:
             msg = decode(data)
@@ -171,11 +182,16 @@ class Fleet:
         self.d_in[d].clear()
         for rid in drained:
             engine.split_done(rid, 0, now)
+        for rid, value in fenced:
+            if engine.fence_read(rid, value, now):
+                self.fences_held += 1
+            else:
+                self.fences_missed += 1
         for rid, p, token, blocks in admits:
             engine.check_unused(rid, P_ENGINE)
             engine.admit(rid, now, peer=self.p_peer[p], remote_engine=P_ENGINE,
                          remote_ranks=(p,), num_blocks=blocks, lease_s=self.lease_s,
-                         token=token, local_id=rid)
+                         token=token, local_id=rid, fence_slots=FENCE_SLOTS)
             engine.validated(rid, now)
             self.fresh[d].add(rid)
         for rid, p, _, _ in admits:  # pages are never short here: every READ posts at once
@@ -183,6 +199,8 @@ class Fleet:
             done = now + self.read_s * self.rng.uniform(0.5, 1.5)
             heapq.heappush(self.reads, (done, d, rid))
         step = engine.poll(now)
+        for rid, _, p, slot in step.fences:
+            heapq.heappush(self.fence_reads, (now + self.delay_s, d, rid, p, slot))
         if not (step.heartbeats or step.releases or step.finished):
             return
         fresh = self.fresh[d]
@@ -236,15 +254,20 @@ class Fleet:
         while self.reads and self.reads[0][0] <= now:
             _, d, rid = heapq.heappop(self.reads)
             drained[d].append(rid)
+        fenced: list[list] = [[] for _ in range(self.nd)]
+        while self.fence_reads and self.fence_reads[0][0] <= now:
+            _, d, rid, p, slot = heapq.heappop(self.fence_reads)
+            fenced[d].append((rid, int(self.fence[p][slot])))
         for d in range(self.nd):
-            self._d_step(d, now, admits[d], drained[d])
+            self._d_step(d, now, admits[d], drained[d], fenced[d])
 
     def live(self, r: int) -> int:
         from kvhandoff.core.lifecycle import PState
         return sum(rec.state is PState.EXPORTED for rec in self.p_eng[r]._records.values())
 
     def busy(self) -> bool:
-        return bool(self.wire or self.proxy or self.reads or any(self.prefilling)
+        return bool(self.wire or self.proxy or self.reads or self.fence_reads
+                    or any(self.prefilling)
                     or self.freed < self.exported)
 
     def close(self) -> None:

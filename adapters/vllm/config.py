@@ -18,6 +18,7 @@ with `ConnectorConfigError`, never discovered mid-request.
 | notif_poll_s           | 0.0005              | P's notification poll period while leases are live   |
 | idle_poll_s            | 0.05                | P's notification poll period with no live lease      |
 | producer_tp_size       | 0 (unchecked)       | D: P's TP size; a mismatch is refused at start-up     |
+| fence_slots            | 65536               | P: fence slots per rank (8 bytes each, host memory); 0: no fence, D asks P instead |
 | debug_read_delay_s     | 0.0                 | tests only: hold each READ's completion this long    |
 | debug_read_delay_param | false               | tests/demo only: honour a request's ``kvhandoff_debug_read_delay_s`` |
 | trusted_producers      | $KVHANDOFF_TRUSTED_PRODUCERS or loopback only | D: producers D may connect to (HOST[:PORT] or CIDR[:PORT] entries; the variable: comma-separated) |
@@ -35,6 +36,7 @@ import tempfile
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvhandoff.core.fence import FENCE_SLOTS
 from kvhandoff.core.policy import TimingConfig
 
 
@@ -70,6 +72,7 @@ class HandoffConfig:
     notif_poll_s: float = 0.0005
     idle_poll_s: float = 0.05
     producer_tp_size: int = 0
+    fence_slots: int = FENCE_SLOTS
     debug_read_delay_s: float = 0.0
     debug_read_delay_param: bool = False
     trusted_producers: tuple[str, ...] = LOOPBACK_PRODUCERS
@@ -137,6 +140,8 @@ class HandoffConfig:
         for key in ("read_timeout_s", "handshake_timeout_s", "notif_poll_s", "idle_poll_s"):
             if values.get(key, defaults[key]) <= 0:
                 raise ConnectorConfigError(key, "> 0", values[key])
+        if not 0 <= values.get("fence_slots", FENCE_SLOTS) < 2**31:
+            raise ConnectorConfigError("fence_slots", ">= 0 and < 2**31", values["fence_slots"])
         if values.get("producer_tp_size", 0) < 0:
             raise ConnectorConfigError("producer_tp_size", ">= 0", values["producer_tp_size"])
         if values.get("debug_read_delay_s", 0.0) < 0:

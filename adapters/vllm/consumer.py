@@ -41,7 +41,7 @@ from kvhandoff.core.planning import (
     tokens_loaded,
     validate_block_ids,
 )
-from kvhandoff.transports.base import group_splits
+from kvhandoff.transports.base import fence_split, group_splits
 
 log = structlog.get_logger(__name__)
 
@@ -101,6 +101,7 @@ class ProducerLink:
     num_blocks: int
     tp_size: int
     layout: CacheLayout  # P rank's cache groups, checked against ours at the handshake
+    fence_slots: int = 0  # P rank's fence slots (`core.fence`; 0: it has none)
 
 
 @dataclass(slots=True)
@@ -190,16 +191,21 @@ class ConsumerHalf:
                 try:  # a hostile hello must fail its requests, never the engine
                     num_blocks = hello["compat"].get("num_blocks", 0)
                     tp_size = hello["compat"].get("tp_size", 0)
-                    if not all(type(v) is int for v in (num_blocks, tp_size)):
-                        raise HandshakeFailed(f"{key[0]}:{key[1]}: num_blocks / tp_size must be "
-                                              f"integers, found {num_blocks!r} / {tp_size!r}")
+                    fence_slots = hello["compat"].get("fence_slots", 0)  # older P: none
+                    if not all(type(v) is int for v in (num_blocks, tp_size, fence_slots)):
+                        raise HandshakeFailed(f"{key[0]}:{key[1]}: num_blocks / tp_size / "
+                                              f"fence_slots must be integers, found "
+                                              f"{num_blocks!r} / {tp_size!r} / {fence_slots!r}")
+                    if fence_slots < 0:
+                        raise HandshakeFailed(f"{key[0]}:{key[1]}: fence_slots must be >= 0, "
+                                              f"found {fence_slots}")
                     layout = CacheLayout.from_wire(hello["compat"].get("cache_layout"))
                     agent = self.transport.add_peer(md)
                 except Exception as exc:
                     error = exc
                 else:
                     self._peers[key] = ProducerLink(hello["engine_id"], agent, num_blocks, tp_size,
-                                                    layout)
+                                                    layout, fence_slots)
                     log.info("vllm.worker.producer_connected", producer=hello["engine_id"],
                              agent=agent)
             if error is not None:
@@ -273,7 +279,7 @@ class ConsumerHalf:
                                    remote_ranks=(self.rank,),
                                    num_blocks=sum(map(len, remote.block_ids)),
                                    lease_s=remote.lease_s, token=remote.token,
-                                   local_id=local_id):
+                                   local_id=local_id, fence_slots=peer.fence_slots):
             inc.error = "admission refused by the lifecycle"
             self._count("rejected")
             self._count("rejected_lifecycle")
@@ -414,8 +420,26 @@ class ConsumerHalf:
             log.warning(f"vllm.worker.{what}_failed", producer_agent=peer, error=str(exc))
             return False
 
+    def _post_fence(self, rid: str, peer: str, slot: int, now: float) -> None:
+        """Post the fence READ the engine planned; one that cannot be posted proves nothing
+        (the engine asks P instead)."""
+        if not self._landing_free:
+            self.consumer.fence_read(rid, None, now)
+            return
+        local = self._landing_free.pop()
+        try:
+            handle = self.transport.post_split_read(peer, [fence_split(slot, local)])
+        except Exception as exc:
+            self._landing_free.append(local)
+            log.warning("vllm.worker.fence_read_failed", request_id=rid, error=str(exc))
+            self.consumer.fence_read(rid, None, now)
+            return
+        self._fence_reads[handle] = (rid, local)
+
     def _carry_out(self, step: ConsumerStep, now: float) -> None:
         """Send what the engine decided and hand vLLM what it must hear."""
+        for rid, peer, _rank, slot in step.fences:
+            self._post_fence(rid, peer, slot, now)
         for peer, hb, urgent in step.heartbeats:
             if self._send(peer, hb, "heartbeat"):
                 self.consumer.heartbeat_sent(peer, hb, now, urgent)
@@ -542,6 +566,12 @@ class ConsumerHalf:
         """Collect READ completions (the caller reads the clock after this: a completion's
         time is never earlier than its receipt, or a late READ could pass for a safe one)."""
         for c in self.transport.poll():
+            fence = self._fence_reads.pop(c.handle, None)
+            if fence is not None:  # the slot's word, read now: the engine hears it in _d_drain
+                rid, local = fence
+                self._fence_landed.append((rid, int(self.fence[local]) if c.ok else None))
+                self._landing_free.append(local)
+                continue
             inc = self._local_of(c.handle)
             if inc is None:
                 log.warning("vllm.worker.completion_for_unknown_handle", handle=c.handle)
@@ -552,7 +582,11 @@ class ConsumerHalf:
             inc.held.append((inc.posted_at + delay, c.handle, c.ok, c.reason))
 
     def _d_drain(self, now: float) -> None:
-        """Hand the completions that are due to the engine (`_drain`), request by request."""
+        """Hand the completions that are due to the engine (`_drain`), request by request,
+        and what each fence READ found."""
+        landed, self._fence_landed = self._fence_landed, []
+        for rid, value in landed:
+            self.consumer.fence_read(rid, value, now)
         for inc in list(self._incoming.values()):
             if inc.repeats:  # ended for good: only waits for its READs to drain
                 self._end_for_good(inc, now)

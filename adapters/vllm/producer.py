@@ -148,7 +148,9 @@ class ProducerHalf:
 
     def _p_poll(self, now: float) -> None:
         step = self.producer.poll(now)
-        self._report_sending.update(step.freed)  # first: vLLM must hear of every free
+        for slot, value in step.fences:  # before vLLM hears of a free: a cleared slot first
+            self.fence[slot] = value
+        self._report_sending.update(step.freed)  # then: vLLM must hear of every free
         self._p_send(step)
 
     def _p_drop_lost_consumers(self) -> None:

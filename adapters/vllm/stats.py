@@ -27,6 +27,10 @@ COUNTERS = (
     # already past its deadline.  D: heartbeats sent more than two heartbeat periods
     # after the request's previous one (a stalled engine step or an unreachable P).
     "heartbeats_late", "heartbeats_sent_late",
+    # D: fence READs (`core.fence`) that found the request's value (its READs proven without
+    # asking P), and those that did not (failed, not written yet, cleared, or another
+    # request's value after a slot collision): D asked P instead.
+    "fences_held", "fences_missed",
 )
 
 # family -> (Prometheus label, its values); the last value is the catch-all.

@@ -58,12 +58,13 @@ from kvhandoff.core import messages
 from kvhandoff.core.consumer import ConsumerEngine
 from kvhandoff.core.errors import LifecycleError, MalformedMessage
 from kvhandoff.core.events import Side, Stream
+from kvhandoff.core.fence import LANDING_SLOTS
 from kvhandoff.core.groups import CacheLayout
 from kvhandoff.core.lifecycle import LifecycleState
 from kvhandoff.core.log import LogWriter
 from kvhandoff.core.planning import prefill_backoff
 from kvhandoff.core.producer import ProducerEngine
-from kvhandoff.transports.base import RegionMismatch
+from kvhandoff.transports.base import RegionMismatch, fence_region
 from kvhandoff.transports.caches import kv_regions
 
 log = structlog.get_logger(__name__)
@@ -99,7 +100,8 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self.state = LifecycleState()
         self._last_prune = 0.0
         # Every lifecycle decision is the side's engine's; this worker is its I/O.
-        self.producer = (ProducerEngine(self.stream, cfg.lease_s, self.state, sink=self.writer)
+        self.producer = (ProducerEngine(self.stream, cfg.lease_s, self.state, sink=self.writer,
+                                        fence_slots=cfg.fence_slots)
                          if side is Side.P else None)
         self.consumer = (ConsumerEngine(self.stream, cfg.timing, self.state, sink=self.writer)
                          if side is Side.D else None)
@@ -120,6 +122,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self._notif_thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._report_sending: set[str] = set()  # freed, vLLM not told yet
+        self.fence: Any = None  # P: its fence slots; D: its landing slots (`core.fence`)
         # D
         self._peers: dict[tuple[str, int], ProducerLink] = {}  # (host, port) -> peer
         self._refused: dict[tuple[str, int], tuple[float, str, str]] = {}  # (when, why, class)
@@ -130,6 +133,9 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self._fail_now: list[str] = []  # local ids to report failed this step
         self._report_recving: set[str] = set()  # finished_recving, vLLM not told yet
         self._report_failed: set[str] = set()  # of those, failed
+        self._landing_free: list[int] = []  # landing slots no fence READ uses
+        self._fence_reads: dict[int, tuple[str, int]] = {}  # handle -> (request, landing slot)
+        self._fence_landed: list[tuple[str, int | None]] = []  # (request, value) for the engine
         log.info("vllm.worker.started", engine=engine_id, side=side.value, rank=rank,
                  event_log=self.log_path)
 
@@ -231,6 +237,16 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         first = kv_caches[layout.groups[0].layers[0]]
         self.compat.update(num_blocks=self.num_blocks, cache_dtype=str(first.dtype),
                            cache_layout=layout.to_wire())
+        # The fence: P's slots (the handshake tells D how many), or D's landing slots for
+        # the fence READs in flight (`core.fence`).
+        slots = self.cfg.fence_slots if self.side is Side.P else LANDING_SLOTS
+        if slots:
+            region, self.fence = fence_region(slots)
+            regions = [*regions, region]
+            if self.side is Side.P:
+                self.compat.update(fence_slots=slots)
+            else:
+                self._landing_free = list(range(slots - 1, -1, -1))
         agent = f"{self.engine_id}-{self.side.value}{self.rank}-{uuid.uuid4().hex[:8]}"
         self.transport = make_transport(agent)
         self.transport.register(regions)
