@@ -67,7 +67,7 @@ from kvhandoff.core.events import (
     Stream,
     Validated,
 )
-from kvhandoff.core.fence import fence_of
+from kvhandoff.core.fence import FENCE_READS, fence_of
 from kvhandoff.core.ledger import LedgerEngine
 from kvhandoff.core.lifecycle import (
     HEARTBEAT_STATES,
@@ -134,8 +134,8 @@ class _Request:
     in_flight: set[int] = field(default_factory=set)  # splits whose READ still moves bytes
     splits_failed: bool = False  # failed by the deadline or given up: drains record nothing
     fence: tuple[int, int] | None = None  # (slot, value) in P's fence region (`core.fence`)
-    fence_posted: float | None = None  # when its fence READ was planned (None: not yet)
-    fence_tried: bool = False  # its fence READ came back without proving anything
+    fence_posted: float | None = None  # when its fence READ in flight was planned (None: none)
+    fence_reads: int = 0  # fence READs that came back without proving anything
 
 
 _UNPROVEN = {
@@ -228,18 +228,19 @@ class ConsumerEngine(LedgerEngine):
 
     def admit(self, rid: str, now: float, *, peer: Hashable, remote_engine: str,
               remote_ranks: Iterable[int], num_blocks: int, lease_s: float, token: str = "",
-              local_id: str = "", fence_slots: int = 0) -> bool:
+              local_id: str = "", fence_slot: int | None = None) -> bool:
         """Take the request (heartbeated from now until its reads drained or P is released).
 
-        ``fence_slots``: the slots of the fence region the peer registered (0: none).  With a
-        fence the drained READs are proven by reading it, not by asking P at admission.
+        ``fence_slot``: the export's slot in the peer's fence region, from the parameters
+        (None: none).  With a fence the drained READs are proven by reading it, not by
+        asking P at admission.
         """
         if not self._record(Admitted, rid, now, remote_engine=remote_engine,
                             remote_ranks=tuple(remote_ranks), num_blocks=num_blocks,
                             lease_s=lease_s, lease_margin_s=self.timing.lease_margin_s,
                             local_request_id=local_id):
             return False
-        fence = fence_of(rid, token, fence_slots)
+        fence = fence_of(rid, token, fence_slot)
         self._reqs[rid] = _Request(peer, token, fence=fence)
         self._due_cache = None
         if fence is None:
@@ -346,14 +347,15 @@ class ConsumerEngine(LedgerEngine):
         nothing, and the request asks P instead.  True when it proved them."""
         req = self._reqs.get(rid)
         rec = self._rec(rid)
-        if (req is None or req.fence is None or req.fence_posted is None or req.fence_tried
+        if (req is None or req.fence is None or req.fence_posted is None
                 or rid not in self._reading or not isinstance(rec, ConsumerRecord)):
             return False
+        posted, req.fence_posted = req.fence_posted, None
         if value == req.fence[1] and self._record(FenceHeld, rid, now, p_rank=rec.split_ranks[0],
-                                                  posted_at=req.fence_posted):
+                                                  posted_at=posted):
             self.counts["fences_held"] += 1
             return True
-        req.fence_tried = True
+        req.fence_reads += 1  # read it again (P's worker may write it a step late), and ask P
         self.counts["fences_missed"] += 1
         return False
 
@@ -411,16 +413,12 @@ class ConsumerEngine(LedgerEngine):
                 self._finish(rid, rec, now, step)
             elif rec.drained:  # the bytes are here and wait only for P's word
                 wake = min(wake, deadline)
-                if req.fence is not None and not req.fence_tried:
-                    if req.fence_posted is None:  # read P's fence rather than ask P
-                        ranks = set(rec.split_ranks)
-                        if len(ranks) == 1:
-                            req.fence_posted = now
-                            step.fences.append((rid, req.peer, rec.split_ranks[0], req.fence[0]))
-                            continue
-                        req.fence_tried = True
-                    else:
-                        continue  # its fence READ is in flight
+                if (req.fence is not None and req.fence_posted is None
+                        and req.fence_reads < FENCE_READS and len(set(rec.split_ranks)) == 1):
+                    req.fence_posted = now  # read P's fence (at first, rather than ask P)
+                    step.fences.append((rid, req.peer, rec.split_ranks[0], req.fence[0]))
+                if req.fence is not None and req.fence_reads == 0 and req.fence_posted is not None:
+                    continue  # its first fence READ is in flight: no need to ask P yet
                 awaiting.setdefault(req.peer, []).append(rid)
         self._awaiting, self._deadline = awaiting, wake
         self._plan_heartbeats(now, awaiting, step)

@@ -69,6 +69,7 @@ class Exported(Event):
     consumer_ranks: tuple[int, ...] = (0,)
     num_blocks: int = 0
     token: str = ""
+    fence_slot: int = -1  # the export's fence slot (`core.fence`); -1: none
     kind: ClassVar[str] = "exported"
 
 

@@ -79,7 +79,7 @@ class ProducerRecord:
     """P's view of one request on one rank."""
 
     __slots__ = ("state", "lease_s", "deadline", "expected", "notified", "consumer",
-                 "token", "num_blocks", "ended", "t0", "t_end")
+                 "token", "num_blocks", "ended", "fence_slot", "t0", "t_end")
 
     def __init__(self, t0: float) -> None:
         self.state = PState.PREFILLING
@@ -91,12 +91,13 @@ class ProducerRecord:
         self.token = ""  # the release capability, when P minted one
         self.num_blocks = 0
         self.ended = ""  # why the blocks were given up: released / expired / aborted
+        self.fence_slot = -1  # the export's fence slot (`core.fence`), -1: none
         self.t0 = t0
         self.t_end = math.inf  # when the record became terminal
 
     def key(self) -> tuple:
         return (self.state.value, self.lease_s, self.deadline, self.expected, self.notified,
-                self.consumer, self.token, self.num_blocks, self.ended)
+                self.consumer, self.token, self.num_blocks, self.ended, self.fence_slot)
 
 
 class ConsumerRecord:
@@ -206,7 +207,7 @@ def _export(ss: StreamState, rec: ProducerRecord | None, ev) -> ProducerRecord:
     rec = rec or ProducerRecord(ev.t)
     rec.lease_s, rec.deadline = ev.lease_s, ev.t + ev.lease_s
     rec.expected, rec.num_blocks = _rank_set(ev.consumer_ranks), ev.num_blocks
-    rec.token = ev.token
+    rec.token, rec.fence_slot = ev.token, ev.fence_slot
     return rec
 
 

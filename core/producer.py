@@ -59,7 +59,7 @@ from kvhandoff.core.events import (
     ReleaseNotified,
     Stream,
 )
-from kvhandoff.core.fence import CLEARED, fence_of
+from kvhandoff.core.fence import CLEARED, fence_value
 from kvhandoff.core.ledger import LedgerEngine
 from kvhandoff.core.lifecycle import LifecycleState, ProducerRecord, PState
 from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Message, Release
@@ -94,12 +94,12 @@ class ProducerEngine(LedgerEngine):
     side = "producer"
 
     def __init__(self, stream: Stream, lease_s: float, state: LifecycleState | None = None,
-                 sink: Callable[[Event], None] | None = None, fence_slots: int = 0) -> None:
+                 sink: Callable[[Event], None] | None = None) -> None:
         super().__init__(stream, state, sink)
         self.lease_s = lease_s
-        # The fence (`core.fence`): this rank's slots (0: none registered), which request's
-        # value each slot holds, and the writes the next ``poll`` hands the driver.
-        self.fence_slots = fence_slots
+        # The fence (`core.fence`): which request's value each slot holds (the driver hands
+        # out slots; a slot handed out twice still never vouches for a freed request), and
+        # the writes the next ``poll`` hands the driver.
         self._fence_owner: dict[int, str] = {}
         self._fence_out: list[tuple[int, int]] = []
         self._deferred: list[tuple[float, str, Heartbeat]] = []  # (first seen, sender, ids)
@@ -117,17 +117,20 @@ class ProducerEngine(LedgerEngine):
         self._record(PrefillStarted, rid, now)
 
     def exported(self, rid: str, now: float, num_blocks: int, consumer_ranks: Iterable[int],
-                 token: str = "", lease_s: float | None = None) -> bool:
-        """Prefill done: pin the blocks under a lease (``lease_s``: this engine's by default)."""
+                 token: str = "", lease_s: float | None = None, fence_slot: int | None = None
+                 ) -> bool:
+        """Prefill done: pin the blocks under a lease (``lease_s``: this engine's by default);
+        with a ``fence_slot`` (and a token) the next ``poll`` writes the request's value there."""
+        slot = -1 if fence_slot is None or not token else fence_slot
         ok = self._record(Exported, rid, now, lease_s=self.lease_s if lease_s is None else lease_s,
-                          consumer_ranks=tuple(consumer_ranks), num_blocks=num_blocks, token=token)
+                          consumer_ranks=tuple(consumer_ranks), num_blocks=num_blocks, token=token,
+                          fence_slot=slot)
         if ok:
             self.counts["leases_exported"] += 1
             self._due_at = min(self._due_at, self._rec(rid).deadline)
-            fence = fence_of(rid, token, self.fence_slots)
-            if fence is not None:  # a slot another live export holds is taken: it then asks P
-                self._fence_owner[fence[0]] = rid
-                self._fence_out.append(fence)
+            if slot >= 0:
+                self._fence_owner[slot] = rid
+                self._fence_out.append((slot, fence_value(rid, token)))
         return ok
 
     def aborted(self, rid: str, now: float, reason: str) -> None:
@@ -217,11 +220,11 @@ class ProducerEngine(LedgerEngine):
             rec = self._rec(rid)
             if rec is not None and rec.state in _TO_FREE:
                 released = rec.state is PState.RELEASED
-                fence = fence_of(rid, rec.token, self.fence_slots) if self.fence_slots else None
+                slot = rec.fence_slot
                 if self._record(Freed, rid, now):
-                    if fence is not None and self._fence_owner.get(fence[0]) == rid:
-                        del self._fence_owner[fence[0]]  # cleared before the blocks go back
-                        step.fences.append((fence[0], CLEARED))
+                    if slot >= 0 and self._fence_owner.get(slot) == rid:
+                        del self._fence_owner[slot]  # cleared before the blocks go back
+                        step.fences.append((slot, CLEARED))
                     step.freed.append(rid)
                     self.counts["frees"] += 1
                     self.counts["leases_released"] += released

@@ -94,8 +94,8 @@ class RunConfig:
     # READs, or P's proof of them, still missing this long after posting: give up (fail).
     # Three leases: the slow-fabric scenarios read for up to 2.5 leases while P answers.
     read_timeout_s: float = 90.0
-    # P's fence slots per rank (`core.fence`; the kvhandoff policy).  Few enough that live
-    # requests collide now and then: a collision costs an ask, never a wrong proof.
+    # P's fence slots per rank (`core.fence`; the kvhandoff policy).  An export finding
+    # every slot live has no fence: D asks P instead.
     fence_slots: int = 512
 
     # engine loops

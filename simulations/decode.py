@@ -107,7 +107,7 @@ class DecodeEngine:
         self.remote_layouts: list = []
         # The fence (`core.fence`): P's slots, and per rank the landing slots free for the
         # fence READs it posts (one per request whose READs drained, until it lands).
-        self.fence_slots = cfg.fence_slots if policy.fences else 0
+        self.fences = policy.fences
         self.landing: list[np.ndarray] = []
         self.free_landing: list[list[int]] = []
         self.fence_handles: dict[tuple[int, int], tuple[str, int, int, float]] = {}
@@ -115,7 +115,7 @@ class DecodeEngine:
         for d, agent in enumerate(self.agents):
             names = kv.region_names(cfg.regions, [d % k], k)
             regions, words = kv.rank_memory(names, cfg.d_blocks, cfg.block_bytes)
-            if self.fence_slots:
+            if self.fences:
                 region, landing = fence_region(LANDING_SLOTS)
                 regions.append(region)
                 self.landing.append(landing)
@@ -223,7 +223,9 @@ class DecodeEngine:
         value = int(self.landing[d][local]) if ok else None
         self.fences_landed += ok
         self.free_landing[d].append(local)
-        expected = fence_of(rid, self.tokens.get(rid, ""), self.fence_slots)
+        imp = self.reading.get(rid)
+        expected = fence_of(rid, self.tokens.get(rid, ""),
+                            imp.params.fence_slot if imp is not None else None)
         if expected is not None and value == expected[1] and slot == expected[0]:
             self.proofs.fence((d, rid, d // self.k), posted_at)
         self.engines[d].fence_read(rid, value, now)
@@ -315,7 +317,7 @@ class DecodeEngine:
             engine.admit(rid, now, peer=self.peers[d], remote_engine=params.remote_engine,
                          remote_ranks=(d // self.k,), num_blocks=params.num_blocks,
                          lease_s=cfg.lease_s, token=params.token, local_id=f"local-{req.serial}",
-                         fence_slots=self.fence_slots)
+                         fence_slot=params.fence_slot if self.fences else None)
         if req.cancelled:  # cancelled before this step admitted it: release P at once
             self._end_without_reads(req, rid, "cancel", "cancelled", now)
             return

@@ -21,6 +21,7 @@ import numpy as np
 
 from kvhandoff.core.errors import MalformedMessage
 from kvhandoff.core.events import Side, Stream
+from kvhandoff.core.fence import FenceSlots
 from kvhandoff.core.lifecycle import LifecycleState, PState
 from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Release, decode, encode
 from kvhandoff.core.producer import ProducerEngine
@@ -61,6 +62,7 @@ class TransferParams:
     num_blocks: int
     token: str = ""  # the release capability P minted for this request
     num_tokens: int = 0  # hybrid runs: the tokens P computed, for D's planner
+    fence_slot: int | None = None  # the export's fence slot (`core.fence`), None: none
 
 
 class PrefillEngine:
@@ -99,9 +101,12 @@ class PrefillEngine:
         self.consumers = [tuple(range(r * k, (r + 1) * k)) for r in range(cfg.tp)]
         # (vLLM extends by 2/3 of the lease; the core extends by the exported
         # lease, so that model exports 2/3 of it: docs/simulation.md.)
-        self.engines = [ProducerEngine(s, cfg.lease_s * policy.lease_extension, self.state, sink,
-                                       fence_slots=fence_slots)
+        self.engines = [ProducerEngine(s, cfg.lease_s * policy.lease_extension, self.state, sink)
                         for s in self.streams]
+        # One slot per live export, the same on every rank (as vLLM's scheduler hands it
+        # out), back once every rank freed the request.
+        self.fence_slots = FenceSlots(fence_slots)
+        self.slot_of: dict[str, list[int]] = {}  # rid -> [slot, ranks that still hold it]
         self.pool = SimBlockPool(self.agents, cfg.p_blocks)
         self.queue: deque[SimRequest] = deque()
         self.prefilling: dict[str, SimRequest] = {}
@@ -154,6 +159,9 @@ class PrefillEngine:
             # Only the engine that receives the transfer parameters can release.
             token = f"{self.rng.getrandbits(64):016x}" if self.policy.mint_tokens else ""
             per_group = self._group_lists(req, ids)
+            slot = self.fence_slots.take() if token else None
+            if slot is not None:
+                self.slot_of[req.rid] = [slot, len(self.engines)]
             for rank, engine in enumerate(self.engines):
                 if per_group is None:
                     kv.write(self.words[rank], ids, req.serial, rank)
@@ -164,10 +172,12 @@ class PrefillEngine:
                                  kv.copy_rank(g, rank), g.index, first)
                 # One lease, one free for every group of the request (vLLM delays
                 # the free of all groups at once: docs/hybrid.md 1.5).
-                engine.exported(req.rid, now, len(ids), self.consumers[rank], token)
+                engine.exported(req.rid, now, len(ids), self.consumers[rank], token,
+                                fence_slot=slot)
             block_ids = list(ids) if per_group is None else [list(g) for g in per_group]
             self.on_exported(req, TransferParams(req.rid, self.name, tuple(range(cfg.tp)),
-                                                 block_ids, len(ids), token, req.num_tokens))
+                                                 block_ids, len(ids), token, req.num_tokens,
+                                                 slot))
         self.prefilled.clear()
         freed = self._reap(now)
         while self.queue:
@@ -247,6 +257,12 @@ class PrefillEngine:
             for rid in step.freed:
                 self.pool.free(self.blocks[rid], rank)
                 freed += 1
+                held = self.slot_of.get(rid)
+                if held is not None:
+                    held[1] -= 1
+                    if not held[1]:  # cleared on every rank: the slot may go to another export
+                        self.fence_slots.give_back(held[0])
+                        del self.slot_of[rid]
         return freed
 
     # -- end of run -----------------------------------------------------------------

@@ -151,10 +151,10 @@ def _acks_lost(cfg: RunConfig, rng: random.Random) -> None:
     cfg.read_timeout_s = 2 * cfg.lease_s  # an unproven request fails within the run
 
 
-@scenario("fence_slot_collisions",
-          "P has two fence slots for many live requests: exports overwrite each other's "
-          "values, so D often finds another request's value, proves nothing by it and asks P")
-def _fence_collisions(cfg: RunConfig, rng: random.Random) -> None:
+@scenario("fence_slots_exhausted",
+          "P has two fence slots for many live requests: most exports find none free and "
+          "have no fence, so D asks P for them; a slot goes to another export once freed")
+def _fence_slots_exhausted(cfg: RunConfig, rng: random.Random) -> None:
     cfg.fence_slots = 2
     cfg.requests = rng.randint(16, 32)
     _slow_reads(cfg, share=0.5, lo=0.01, hi=0.2)
@@ -292,7 +292,7 @@ def _swarm(cfg: RunConfig, rng: random.Random) -> None:
     lease = cfg.lease_s
     cfg.tp = rng.randint(1, 4)
     cfg.requests = rng.randint(8, 24)
-    cfg.fence_slots = rng.choice((0, 2, 512))  # no fence, colliding slots, or enough
+    cfg.fence_slots = rng.choice((0, 2, 512))  # no fence, too few slots, or enough
     if maybe(0.3):
         cfg.d_blocks = rng.randint(16, 48)
     if maybe():

@@ -194,7 +194,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "if value is not None and self._record(FenceHeld,",
            "D takes any value its fence READ finds (cleared, another request's) as proof"),
     Mutant("free_keeps_the_fence", "core/producer.py",
-           "                        step.fences.append((fence[0], CLEARED))\n",
+           "                        step.fences.append((slot, CLEARED))\n",
            "",
            "P frees a request's blocks without clearing its fence slot: a later fence READ "
            "still finds the request's value"),

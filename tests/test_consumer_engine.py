@@ -14,7 +14,7 @@ import pytest
 
 from kvhandoff.core.consumer import ConsumerEngine, ParamsReused, RequestIdCollision
 from kvhandoff.core.events import Side, Stream
-from kvhandoff.core.fence import fence_of
+from kvhandoff.core.fence import FENCE_READS, fence_of, fence_value
 from kvhandoff.core.lifecycle import DState, Verdict
 from kvhandoff.core.messages import HeartbeatAck, Release
 from kvhandoff.core.policy import TimingConfig
@@ -314,13 +314,13 @@ def test_refused_events_are_counted_never_raised(engine):
 
 # --- the fence (docs/lifecycle.md, "The fence") ---------------------------------------
 
-SLOTS = 64
+SLOT = 7
 
 
 def _fenced(e: ConsumerEngine, rid="r1", t=0.0, token="tok"):
     assert e.admit(rid, t, peer=P_AGENT, remote_engine="prefill-0", remote_ranks=(0,),
                    num_blocks=4, lease_s=12.0, token=token, local_id=f"local-{rid}",
-                   fence_slots=SLOTS)
+                   fence_slot=SLOT)
     assert e.validated(rid, t)
     assert e.reads_posted(rid, t, (0, 0))
 
@@ -340,8 +340,8 @@ def test_drained_reads_post_one_fence_read_and_the_request_s_value_proves_them(e
     assert engine.poll(0.25).fences == []  # a split still reads: no fence yet
     engine.split_done("r1", 1, 0.3)
     step = engine.poll(0.3)
-    slot, value = fence_of("r1", "tok", SLOTS)
-    assert step.fences == [("r1", P_AGENT, 0, slot)] and step.heartbeats == []
+    value = fence_value("r1", "tok")
+    assert step.fences == [("r1", P_AGENT, 0, SLOT)] and step.heartbeats == []
     assert engine.poll(0.31).fences == []  # posted once
     assert engine.fence_read("r1", value, 0.32)
     (f,), = [_beat(engine, 0.32).finished]
@@ -352,28 +352,60 @@ def test_drained_reads_post_one_fence_read_and_the_request_s_value_proves_them(e
 
 
 @pytest.mark.parametrize("value", [None, 0, 12345], ids=["read failed", "cleared", "another"])
-def test_a_fence_that_does_not_hold_the_request_s_value_proves_nothing_d_asks_p(engine, value):
+def test_a_fence_that_does_not_hold_the_request_s_value_proves_nothing_d_reads_it_again_and_asks_p(
+        engine, value):
     _fenced(engine)
     _beat(engine, 0.0)
     engine.split_done("r1", 0, 0.2)
     engine.split_done("r1", 1, 0.3)
     assert engine.poll(0.3).fences
     assert not engine.fence_read("r1", value, 0.4)
+    assert not engine.fence_read("r1", fence_value("r1", "tok"), 0.41)  # no READ in flight
     step = _beat(engine, 0.4)
-    assert step.finished == [] and [hb.request_ids for _, hb, _ in step.heartbeats] == [("r1",)]
+    assert step.finished == [] and step.fences == [("r1", P_AGENT, 0, SLOT)]  # again
+    assert [hb.request_ids for _, hb, _ in step.heartbeats] == [("r1",)]  # and P is asked
     assert step.heartbeats[0][2]  # urgent: the bytes wait for P's word
-    assert engine.fence_read("r1", fence_of("r1", "tok", SLOTS)[1], 0.45) is False  # once
     engine.on_notification(P_AGENT, _ack(0.4, 10.0), 0.5)
     (f,) = engine.poll(0.5).finished
     assert f.ok
 
 
-def test_no_fence_without_p_s_slots_or_without_a_token(engine):
-    assert fence_of("r1", "", SLOTS) is None and fence_of("r1", "tok", 0) is None
-    for rid, token, slots in (("r1", "", SLOTS), ("r2", "tok", 0)):
+def test_the_second_fence_read_proves_what_the_first_could_not(engine):
+    """P's worker may write the slot a step after D got the parameters: a later read finds
+    the value, posted after the first came back (and so after the READs drained)."""
+    _fenced(engine)
+    _beat(engine, 0.0)
+    engine.split_done("r1", 0, 0.2)
+    engine.split_done("r1", 1, 0.3)
+    engine.poll(0.3)
+    assert not engine.fence_read("r1", 0, 0.35)
+    assert _beat(engine, 0.36).fences
+    assert engine.fence_read("r1", fence_value("r1", "tok"), 0.37)
+    (f,) = engine.poll(0.37).finished
+    assert f.ok
+    (event,) = [e for e in engine.log if e.kind == "fence_held"]
+    assert event.posted_at == 0.36
+
+
+def test_d_reads_a_fence_at_most_fence_reads_times(engine):
+    _fenced(engine)
+    engine.split_done("r1", 0, 0.2)
+    engine.split_done("r1", 1, 0.3)
+    reads = 0
+    for i in range(10):
+        now = 0.3 + i * 0.01
+        for rid, *_ in engine.poll(now).fences:
+            reads += 1
+            engine.fence_read(rid, 0, now)
+    assert reads == FENCE_READS
+
+
+def test_no_fence_without_a_slot_or_without_a_token(engine):
+    assert fence_of("r1", "", SLOT) is None and fence_of("r1", "tok", None) is None
+    for rid, token, slot in (("r1", "", SLOT), ("r2", "tok", None)):
         assert engine.admit(rid, 0.0, peer=P_AGENT, remote_engine="prefill-0",
                             remote_ranks=(0,), num_blocks=4, lease_s=12.0, token=token,
-                            fence_slots=slots)
+                            fence_slot=slot)
     (_, hb, _), = _beat(engine, 0.0).heartbeats
     assert hb.request_ids == ("r1", "r2")
     _admit(engine, "r3", 0.5)
@@ -388,5 +420,5 @@ def test_a_fence_read_that_lands_after_the_request_gave_up_is_ignored(engine):
     assert engine.poll(0.3).fences
     (f,) = engine.poll(30.0).finished  # past read_timeout_s: reported failed, unproven
     assert not f.ok
-    assert not engine.fence_read("r1", fence_of("r1", "tok", SLOTS)[1], 30.1)
+    assert not engine.fence_read("r1", fence_value("r1", "tok"), 30.1)
     assert engine.counts["refused_events"] == 0

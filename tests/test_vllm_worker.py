@@ -9,6 +9,7 @@ this is where the hand-off's bytes and event logs are checked in detail.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import threading
@@ -77,14 +78,22 @@ def workers(tmp_path):
     p.close()
 
 
+_SLOTS = itertools.count()
+_SLOT_OF: dict[str, int] = {}  # the fence slot of each request's last export
+
+
 def _export(p: HandoffWorker, rid: str, n: int, token: str) -> None:
+    """What P's scheduler plans for a finished prefill: the export, with a fence slot."""
+    _SLOT_OF[rid] = next(_SLOTS) % 1024
     p.start_step(StepPlan(prefill_started=[rid]))
     p.finish_step()
-    p.start_step(StepPlan(exports=[Export(rid, n, token)]))
+    p.start_step(StepPlan(exports=[Export(rid, n, token, _SLOT_OF[rid])]))
     p.finish_step()
 
 
 def _params(rid: str, port: int, blocks: tuple[int, ...], token: str, **kw) -> dict:
+    """The transfer parameters P's scheduler hands out for ``rid`` (its fence slot too)."""
+    kw.setdefault("fence_slot", _SLOT_OF.get(rid))
     r = RemotePrefill("P-w", rid, "127.0.0.1", port, 1, (blocks,), len(blocks) * BLOCK, LEASE,
                       token=token, **kw)
     return r.to_wire()

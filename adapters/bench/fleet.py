@@ -48,7 +48,7 @@ import orjson
 
 from kvhandoff.core.consumer import ConsumerEngine
 from kvhandoff.core.events import Side, Stream
-from kvhandoff.core.fence import FENCE_SLOTS
+from kvhandoff.core.fence import FENCE_SLOTS, FenceSlots
 from kvhandoff.core.log import LogWriter
 from kvhandoff.core.messages import HeartbeatAck, Release, decode, encode
 from kvhandoff.core.policy import HEARTBEATS_PER_LEASE, TimingConfig
@@ -97,14 +97,15 @@ class Fleet:
         self.p_paths = [os.path.join(log_dir, f"{P_ENGINE}.r{r}.jsonl") for r in range(p)]
         self.d_paths = [os.path.join(log_dir, f"{D_ENGINE}.r{r}.jsonl") for r in range(d)]
         self.writers = [LogWriter(path, 1 << 20) for path in self.p_paths + self.d_paths]
-        self.p_eng: list = [ProducerEngine(Stream(P_ENGINE, Side.P, r), self.lease_s, None, w,
-                                           fence_slots=FENCE_SLOTS)
+        self.p_eng: list = [ProducerEngine(Stream(P_ENGINE, Side.P, r), self.lease_s, None, w)
                             for r, w in enumerate(self.writers[:p])]
         self.d_eng: list = [ConsumerEngine(Stream(D_ENGINE, Side.D, r), self.timing, None, w)
                             for r, w in enumerate(self.writers[p:])]
         # Each P rank's fence slots (`core.fence`), written as its engine says; a fence READ
         # reads its slot ``delay_s`` after D posted it.
         self.fence = [np.zeros(FENCE_SLOTS, np.uint64) for _ in range(p)]
+        self.fence_free = [FenceSlots(FENCE_SLOTS) for _ in range(p)]  # as vLLM's scheduler
+        self.fence_slot: dict[str, int] = {}  # rid -> its slot, until P frees it
         self.fence_reads: list = []  # heap of (done at, D rank, rid, P rank, slot)
         self.fences_held = self.fences_missed = 0
         self.p_peer = [f"{P_ENGINE}.r{r}" for r in range(p)]  # D's name of each P rank
@@ -150,9 +151,12 @@ class Fleet:
                 self.acks += 1
         self.p_in[r].clear()
         for rid, d, token in self.prefilling[r]:
-            engine.exported(rid, now, 8, (d,), token)
+            slot = self.fence_free[r].take()
+            if slot is not None:
+                self.fence_slot[rid] = slot
+            engine.exported(rid, now, 8, (d,), token, fence_slot=slot)
             self.exported += 1
-            self.proxy.append((now + self.delay_s, d, _copy(rid), r, _copy(token), 8))
+            self.proxy.append((now + self.delay_s, d, _copy(rid), r, _copy(token), 8, slot))
         self.prefilling[r].clear()
         step = engine.poll(now)
         fence = self.fence[r]
@@ -163,6 +167,9 @@ class Fleet:
                        r, ack)
         self.expired += len(step.expired)
         for rid in step.freed:
+            slot = self.fence_slot.pop(rid, None)
+            if slot is not None:
+                self.fence_free[r].give_back(slot)
             if rid in self.freed_ids:
                 self.double_frees += 1
             self.freed_ids.add(rid)
@@ -187,14 +194,14 @@ class Fleet:
                 self.fences_held += 1
             else:
                 self.fences_missed += 1
-        for rid, p, token, blocks in admits:
+        for rid, p, token, blocks, slot in admits:
             engine.check_unused(rid, P_ENGINE)
             engine.admit(rid, now, peer=self.p_peer[p], remote_engine=P_ENGINE,
                          remote_ranks=(p,), num_blocks=blocks, lease_s=self.lease_s,
-                         token=token, local_id=rid, fence_slots=FENCE_SLOTS)
+                         token=token, local_id=rid, fence_slot=slot)
             engine.validated(rid, now)
             self.fresh[d].add(rid)
-        for rid, p, _, _ in admits:  # pages are never short here: every READ posts at once
+        for rid, p, *_ in admits:  # pages are never short here: every READ posts at once
             engine.reads_posted(rid, now, (p,))
             done = now + self.read_s * self.rng.uniform(0.5, 1.5)
             heapq.heappush(self.reads, (done, d, rid))
@@ -248,8 +255,8 @@ class Fleet:
             self._p_step(r, now, arrivals[r])
         admits: list[list] = [[] for _ in range(self.nd)]
         while self.proxy and self.proxy[0][0] <= now:
-            _, d, rid, p, token, blocks = self.proxy.popleft()
-            admits[d].append((rid, p, token, blocks))
+            _, d, rid, p, token, blocks, slot = self.proxy.popleft()
+            admits[d].append((rid, p, token, blocks, slot))
         drained: list[list] = [[] for _ in range(self.nd)]
         while self.reads and self.reads[0][0] <= now:
             _, d, rid = heapq.heappop(self.reads)
@@ -422,6 +429,7 @@ def _run(p, d, hot_leases, hot_share, read_s, interval_s, step_s, delay_s, peak_
         "heartbeat_messages": {k: sum(v for key, v in fleet.hb.items() if key[3] == k)
                                for k in KINDS},
         "acks": fleet.acks, "releases": fleet.releases,
+        "fences_held": fleet.fences_held, "fences_missed": fleet.fences_missed,
         "requests": fleet.serial, "exported": fleet.exported, "freed": fleet.freed,
         "double_frees": fleet.double_frees, "unfreed": len(unfreed),
         "leases_expired": fleet.expired,
@@ -438,7 +446,7 @@ def _run(p, d, hot_leases, hot_share, read_s, interval_s, step_s, delay_s, peak_
         "replay_violations": len(summary["violations"]),
         "replay_freed_under_read": summary["freed_under_read"],
         "run_to_peak_s": round(to_peak_s, 1), "run_s": round(run_s, 1),
-        "targets": {"engine_bytes": 100_000_000, "periodic_heartbeats_per_pair_interval": 1,
+        "targets": {"engine_bytes": 100_000_000, "heartbeats_per_pair_interval": 1,
                     "replay_events_per_s": 1_000_000},
         "machine": f"{os.cpu_count()} cores, {os.uname().machine}",
         "date": time.strftime("%Y-%m-%d"),

@@ -251,7 +251,8 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         return KVHandoffMetadata(self.scheduler.build_plan())
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self.scheduler.update_connector_output(connector_output.finished_recving)
+        self.scheduler.update_connector_output(connector_output.finished_recving,
+                                               connector_output.finished_sending)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, (block_ids,))

@@ -279,7 +279,10 @@ class ConsumerHalf:
                                    remote_ranks=(self.rank,),
                                    num_blocks=sum(map(len, remote.block_ids)),
                                    lease_s=remote.lease_s, token=remote.token,
-                                   local_id=local_id, fence_slots=peer.fence_slots):
+                                   local_id=local_id,
+                                   fence_slot=remote.fence_slot
+                                   if remote.fence_slot is not None
+                                   and remote.fence_slot < peer.fence_slots else None):
             inc.error = "admission refused by the lifecycle"
             self._count("rejected")
             self._count("rejected_lifecycle")

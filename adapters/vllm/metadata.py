@@ -50,6 +50,7 @@ class Export:
     request_id: str
     num_blocks: int
     token: str = ""
+    fence_slot: int | None = None  # its slot in every P rank's fence region (`core.fence`)
 
 
 @dataclass(slots=True)

@@ -22,6 +22,7 @@ MAX_GROUPS = 64
 
 PROTOCOL = "kvhandoff/1"
 DEBUG_DELAY_KEY = "kvhandoff_debug_read_delay_s"
+FENCE_SLOT_KEY = "kvhandoff_fence_slot"  # absent: the export has no fence
 
 
 class MalformedTransferParams(MalformedMessage):
@@ -42,6 +43,7 @@ class RemotePrefill:
     lease_s: float
     debug_read_delay_s: float = 0.0  # honoured only where D enables debug_read_delay_param
     token: str = ""  # P's release capability: heartbeats and releases must carry it
+    fence_slot: int | None = None  # the export's slot in P's fence region (`core.fence`)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -51,6 +53,7 @@ class RemotePrefill:
             "pp_size": 1, "dcp_size": 1, "remote_block_ids": [list(g) for g in self.block_ids],
             "remote_num_tokens": self.num_tokens, "lease_s": self.lease_s,
             DEBUG_DELAY_KEY: self.debug_read_delay_s, "release_token": self.token,
+            **({} if self.fence_slot is None else {FENCE_SLOT_KEY: self.fence_slot}),
             "cache_layout_version": LAYOUT_VERSION,
         }
 
@@ -111,8 +114,12 @@ def parse_remote_prefill(params: Any, max_block_id: int = 1 << 31) -> RemotePref
     if not isinstance(token, str) or len(token) > 128:
         raise MalformedTransferParams("kv_transfer_params['release_token']: expected a string "
                                       f"of at most 128 characters, found {type(token).__name__}")
+    slot = params.get(FENCE_SLOT_KEY)
+    if slot is not None and (type(slot) is not int or not 0 <= slot < 1 << 31):
+        raise MalformedTransferParams(f"kv_transfer_params[{FENCE_SLOT_KEY!r}]: expected an "
+                                      f"integer in [0, 2**31), found {slot!r}")
     return RemotePrefill(engine, rid, host, port, tp, block_ids, num_tokens, float(lease),
-                         float(delay), token)
+                         float(delay), token, slot)
 
 
 def _block_ids(groups: list, max_block_id: int) -> tuple[tuple[int, ...], ...]:

@@ -130,7 +130,9 @@ class ProducerHalf:
             self._p_contained("plan", engine.prefill_started, rid, now, request_id=rid)
         for ex in plan.exports:
             self._p_contained("plan", engine.exported, ex.request_id, now, ex.num_blocks,
-                              (self.rank,), ex.token, request_id=ex.request_id)
+                              (self.rank,), ex.token, None,
+                              ex.fence_slot if self.fence is not None else None,
+                              request_id=ex.request_id)
         for rid in plan.aborted:
             self._p_contained("plan", engine.aborted, rid, now, "finished on P before export",
                               request_id=rid)

@@ -39,12 +39,14 @@ from kvhandoff.adapters.vllm import timing
 from kvhandoff.adapters.vllm.config import HandoffConfig
 from kvhandoff.adapters.vllm.metadata import Admit, Export, Failure, Read, StepPlan
 from kvhandoff.adapters.vllm.params import (
+    FENCE_SLOT_KEY,
     LAYOUT_VERSION,
     PROTOCOL,
     MalformedTransferParams,
     parse_identity,
     parse_remote_prefill,
 )
+from kvhandoff.core.fence import FenceSlots
 from kvhandoff.core.groups import CacheLayout
 from kvhandoff.core.planning import export_ids, prefill_backoff, tokens_loaded
 
@@ -127,6 +129,10 @@ class HandoffScheduler:
         self.backoff = prefill_backoff(layout)
         self._plan = StepPlan()
         self._p: dict[str, bool] = {}  # P: request id -> prefill started
+        # P: the fence slots (`core.fence`), one per live export, back once every P rank
+        # reported the request freed (finished_sending): each rank cleared it by then.
+        self.fence = FenceSlots(cfg.fence_slots)
+        self._fence_of: dict[str, int] = {}  # P: request id -> its slot
         self._d: dict[str, _Track] = {}  # D: request id -> track
 
     # ---- common -----------------------------------------------------------
@@ -224,7 +230,12 @@ class HandoffScheduler:
         plan, self._plan = self._plan, StepPlan()
         return plan
 
-    def update_connector_output(self, finished_recving: set[str] | None) -> None:
+    def update_connector_output(self, finished_recving: set[str] | None,
+                                finished_sending: set[str] | None = None) -> None:
+        for rid in finished_sending or ():  # every P rank freed it (and cleared its slot)
+            slot = self._fence_of.pop(rid, None)
+            if slot is not None:
+                self.fence.give_back(slot)
         for rid in finished_recving or ():
             timing.note(rid, "recved")
             track = self._d.get(rid)
@@ -249,8 +260,12 @@ class HandoffScheduler:
                 # The release token makes the lease a capability: only an
                 # engine holding these params can extend or release it.
                 token = secrets.token_hex(16)
-                self._plan.exports.append(Export(rid, sum(map(len, blocks)), token))
+                slot = self.fence.take()  # None: every slot is live, this export has no fence
+                if slot is not None:
+                    self._fence_of[rid] = slot
+                self._plan.exports.append(Export(rid, sum(map(len, blocks)), token, slot))
                 return True, {
+                    **({} if slot is None else {FENCE_SLOT_KEY: slot}),
                     "do_remote_prefill": True, "do_remote_decode": False, "protocol": PROTOCOL,
                     "remote_engine_id": self.engine_id, "remote_request_id": rid,
                     "remote_host": self.cfg.side_channel_host,

@@ -100,8 +100,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self.state = LifecycleState()
         self._last_prune = 0.0
         # Every lifecycle decision is the side's engine's; this worker is its I/O.
-        self.producer = (ProducerEngine(self.stream, cfg.lease_s, self.state, sink=self.writer,
-                                        fence_slots=cfg.fence_slots)
+        self.producer = (ProducerEngine(self.stream, cfg.lease_s, self.state, sink=self.writer)
                          if side is Side.P else None)
         self.consumer = (ConsumerEngine(self.stream, cfg.timing, self.state, sink=self.writer)
                          if side is Side.D else None)
