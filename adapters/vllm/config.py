@@ -18,7 +18,7 @@ with `ConnectorConfigError`, never discovered mid-request.
 | notif_poll_s           | 0.0005              | P's notification poll period while leases are live   |
 | idle_poll_s            | 0.05                | P's notification poll period with no live lease      |
 | producer_tp_size       | 0 (unchecked)       | D: P's TP size; a mismatch is refused at start-up     |
-| fence_slots            | 65536               | P: fence slots per rank (8 bytes each, host memory); 0: no fence, D asks P instead |
+| fence_slots            | 131072              | P: fence slots per rank (8 bytes each, host memory), one per live export; 0: no fence, D asks P instead |
 | debug_read_delay_s     | 0.0                 | tests only: hold each READ's completion this long    |
 | debug_read_delay_param | false               | tests/demo only: honour a request's ``kvhandoff_debug_read_delay_s`` |
 | trusted_producers      | $KVHANDOFF_TRUSTED_PRODUCERS or loopback only | D: producers D may connect to (HOST[:PORT] or CIDR[:PORT] entries; the variable: comma-separated) |
