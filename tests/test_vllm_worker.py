@@ -139,7 +139,8 @@ def test_bytes_arrive_and_p_frees_once_on_the_release(workers):
     a = analyse_logs([p.flush(), d.flush()])
     assert a["replay_violations"] == 0 and a["p_frees"] == 1 and a["double_frees"] == 0
     d_kinds = [e.kind for e in read_log(d.log_path)]
-    assert d_kinds.index("lease_acknowledged") < d_kinds.index("finished_recving")
+    proofs = [i for i, k in enumerate(d_kinds) if k in ("lease_acknowledged", "fence_held")]
+    assert proofs and proofs[0] < d_kinds.index("finished_recving")  # proven, then reported
 
 
 def test_cancel_mid_read_keeps_heartbeating_until_the_read_drains(workers):
@@ -216,9 +217,9 @@ def test_parameters_read_again_after_the_release_are_refused_not_served(workers,
                                reads=[Read("L5b", [[3, 4]])]))
         _, recved, failed = _pump(p, d2, lambda s, r, f: "L5b" in r, timeout=LEASE * 2)
         assert failed == {"L5b"}
-        # P cleared the request's fence slot before it freed: the second reader's fence
-        # READ proved nothing, and P's answer said gone.
-        assert d2.consumer.counts["fences_missed"] == 1 and not d2.consumer.counts["fences_held"]
+        # P cleared the request's fence slot before it freed: a fence READ of the second
+        # reader (if P's "gone" did not end the request first) proves nothing.
+        assert not d2.consumer.counts["fences_held"]
     finally:
         d2.close()
 
@@ -367,7 +368,7 @@ def test_events_reach_the_os_every_step_without_a_flush(workers):
     d.start_step(StepPlan(admits=[Admit("L9", _params("r9", port, (9,), "tok-9"), "", BLOCK)],
                           reads=[Read("L9", [[9]])]))
     _pump(p, d, lambda s, r, f: "r9" in s)
-    assert _kinds(d, "r9")[-1] == "release_sent" and _kinds(p, "r9")[-2:] == ["freed", "forgotten"]
+    assert "release_sent" in _kinds(d, "r9") and _kinds(p, "r9")[-2:] == ["freed", "forgotten"]
 
 
 def test_an_exception_answering_one_notification_costs_only_that_one(workers, monkeypatch):
@@ -498,7 +499,7 @@ def test_a_failing_log_write_never_reaches_vllm(workers, monkeypatch):
     monkeypatch.undo()  # the disk has room again: what was buffered reaches the file
     p.flush(), d.flush()
     assert _kinds(p, "r13")[-2:] == ["freed", "forgotten"]
-    assert _kinds(d, "r13")[-1] == "release_sent"
+    assert "release_sent" in _kinds(d, "r13")
 
 
 def test_d_remembers_a_request_for_two_of_the_requests_leases_when_longer(workers):

@@ -310,6 +310,13 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
                 self._stage("drain", self._d_drain, now)
                 self._stage("notifications", self._d_notifs, now)
                 self._stage("engine", self._d_engine, now)
+                if self._fence_reads:
+                    # A fence READ is 8 bytes: on one host UCX often completes it while
+                    # posting, so look once more now rather than a whole engine step later.
+                    self._stage("poll", self._d_poll)
+                    now = max(now, time.monotonic())
+                    self._stage("drain", self._d_drain, now)
+                    self._stage("engine", self._d_engine, now)
             self._flush_log()
             sending, self._report_sending = self._report_sending, set()
             recving, self._report_recving = self._report_recving, set()
