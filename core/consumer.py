@@ -161,6 +161,8 @@ class ConsumerEngine(LedgerEngine):
         # per peer: the time (``sent_at``) of the keep-alive the last poll planned there
         self._keepalive: dict[Hashable, float] = {}
         self._reasked: set[Hashable] = set()  # peers asked again for an overdue answer
+        # per peer: when the last keep-alive P has not answered yet was sent
+        self._unanswered: dict[Hashable, float] = {}
         # per peer: the requests whose READs drained and wait for P's word, as the last poll saw
         self._awaiting: dict[Hashable, list[str]] = {}
         self._deadline = math.inf  # the earliest READ deadline the last poll saw
@@ -367,6 +369,8 @@ class ConsumerEngine(LedgerEngine):
             self.counts["notifications_ignored"] += 1  # D expects nothing else from P
             return
         self.counts["acks_received"] += 1
+        if self._unanswered.get(sender, math.inf) <= msg.sent_at:
+            del self._unanswered[sender]  # P answered the keep-alive, or an ask after it
         for rid, left in sorted(msg.time_left.items()):
             rec = self._rec(rid)
             req = self._reqs.get(rid)
@@ -440,7 +444,8 @@ class ConsumerEngine(LedgerEngine):
         """When ``poll`` has work at the latest, nothing new arriving (a READ deadline, a
         heartbeat): the driver may poll earlier (``poll`` then finds less to do)."""
         return min(self._deadline, next_heartbeat(self._due(), self._last_sent, self._last_asked,
-                                                  self._periods, self._awaiting, self._reasked))
+                                                  self._periods, self._awaiting, self._reasked,
+                                                  self._unanswered))
 
     def heartbeat_sent(self, peer: Hashable, hb: Heartbeat, now: float, urgent: bool) -> None:
         """The driver sent ``hb`` (planned by ``poll``, or fewer of its ids) to ``peer``."""
@@ -448,6 +453,7 @@ class ConsumerEngine(LedgerEngine):
         if self._keepalive.get(peer) == hb.sent_at:  # that keep-alive, not an older ask
             del self._keepalive[peer]
             self._last_sent[peer] = now
+            self._unanswered[peer] = hb.sent_at
         if urgent:
             self._reasked.add(peer)
         if not hb.request_ids:
@@ -475,11 +481,15 @@ class ConsumerEngine(LedgerEngine):
     def _plan_heartbeats(self, now: float, awaiting: dict[Hashable, list[str]],
                          step: ConsumerStep) -> None:
         self._reasked &= awaiting.keys()
+        due = self._due()
+        if not self._unanswered.keys() <= due.keys():  # nothing due there: nothing to ask
+            self._unanswered = {p: t for p, t in self._unanswered.items() if p in due}
         self._keepalive.clear()
         records = self._records
         for peer, rids, urgent, keepalive in heartbeat_plan(
                 self._due(), now, self._last_sent, self._last_asked, self._periods, self._fresh,
-                awaiting, self._reasked, lambda rid: last_vouched(records[rid])):
+                awaiting, self._reasked, lambda rid: last_vouched(records[rid]),
+                self._unanswered):
             if keepalive:
                 self._keepalive[peer] = now
             ordered = tuple(sorted(rids))

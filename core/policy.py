@@ -103,6 +103,7 @@ def heartbeat_plan(due: Mapping[Hashable, list[str]], now: float,
                    periods: Mapping[Hashable, float], fresh: set[str],
                    awaiting: Mapping[Hashable, list[str]], reasked: set[Hashable],
                    vouched: Callable[[str], float],
+                   unanswered: Mapping[Hashable, float] | None = None,
                    ) -> list[tuple[Hashable, list[str], bool, bool]]:
     """D: which P ranks (``peer``) to heartbeat now, and which of their requests to name.
 
@@ -123,44 +124,57 @@ def heartbeat_plan(due: Mapping[Hashable, list[str]], now: float,
       answered it alive, its admission before that; a keep-alive is taken as
       lost when its answer is a quarter period late, as for the re-ask), so a
       request whose keep-alives are the messages being lost is carried by the
-      asks that get through.
+      asks that get through.  A keep-alive P has not answered for a quarter
+      period (``unanswered``: per peer, when it was sent) is itself a reason
+      to ask, every quarter period, naming the requests P has not vouched for
+      since: with the fence nothing else may ask, and a lease must not hang on
+      the next keep-alive alone.
 
     A busy peer therefore costs one keep-alive naming everything per period
     plus asks naming only what is new, not every request on every message.
     Returns (peer, request ids, urgent, keep-alive).
     """
     plan = []
+    unanswered = unanswered or {}
     for peer, rids in due.items():
         period = periods[peer]
         waiting = awaiting.get(peer, ())
-        urgent = bool(waiting) and (peer not in reasked
-                                    or now - last_asked.get(peer, -math.inf) >= period / 4)
+        quiet = now - last_asked.get(peer, -math.inf) >= period / 4
+        urgent = bool(waiting) and (peer not in reasked or quiet)
         if now - last_sent.get(peer, -math.inf) >= period:
             plan.append((peer, rids, urgent, True))
             continue
         new = [rid for rid in rids if rid in fresh]
-        if urgent or new:
+        lost = unanswered.get(peer)
+        lost = lost if lost is not None and quiet and now - lost >= period / 4 else None
+        if urgent or new or lost is not None:
             named = set(new).union(waiting)
-            named.update(rid for rid in rids if now - vouched(rid) >= period * 1.25)
+            named.update(rid for rid in rids if now - vouched(rid) >= period * 1.25
+                         or lost is not None and vouched(rid) <= lost)
             plan.append((peer, [rid for rid in rids if rid in named], urgent, False))
     return plan
 
 
 def next_heartbeat(due: Mapping[Hashable, list[str]], last_sent: Mapping[Hashable, float],
                    last_asked: Mapping[Hashable, float], periods: Mapping[Hashable, float],
-                   awaiting: Mapping[Hashable, list[str]], reasked: set[Hashable]) -> float:
+                   awaiting: Mapping[Hashable, list[str]], reasked: set[Hashable],
+                   unanswered: Mapping[Hashable, float] | None = None) -> float:
     """D: the earliest time `heartbeat_plan` names a peer, with nothing new happening.
 
     (A request just admitted, or just drained, is something new: the driver
     polls after admitting or completing, and that poll asks at once.  An
-    unvouched request only rides on asks, so it needs no wake of its own.)
+    unvouched request rides on asks; an unanswered keep-alive wakes its own.)
     """
     at = math.inf
+    unanswered = unanswered or {}
     for peer in due:
         period = periods[peer]
         at = min(at, last_sent.get(peer, -math.inf) + period)
         if awaiting.get(peer) and peer in reasked:
             at = min(at, last_asked.get(peer, -math.inf) + period / 4)
+        lost = unanswered.get(peer)
+        if lost is not None:
+            at = min(at, max(lost, last_asked.get(peer, -math.inf)) + period / 4)
     return at
 
 

@@ -75,6 +75,7 @@ def test_a_new_request_is_heartbeated_at_once_with_its_token(engine):
 def test_the_period_is_a_sixth_of_p_s_lease_when_that_is_shorter(engine):
     _admit(engine, lease=3.0)  # P grants 3 s: every 0.5 s, not D's 2 s
     _beat(engine, 0.0)
+    engine.on_notification(P_AGENT, _ack(0.0, 3.0), 0.01)  # P answers (else D asks again)
     assert _beat(engine, 0.49).heartbeats == []
     assert _beat(engine, 0.5).heartbeats
 
@@ -301,10 +302,10 @@ def test_due_at_names_the_next_heartbeat_and_the_next_deadline(engine):
     assert engine.due_at == math.inf  # nothing to do
     _reading(engine)
     _beat(engine, 0.0)
-    assert engine.due_at == 2.0  # the next period
+    assert engine.due_at == 0.5  # a quarter period: ask again if P does not answer by then
     engine.on_notification(P_AGENT, _ack(0.0, 12.0), 0.0)
     engine.poll(0.0)
-    assert engine.due_at == 2.0
+    assert engine.due_at == 2.0  # answered: the next period
 
 
 def test_refused_events_are_counted_never_raised(engine):
@@ -328,6 +329,7 @@ def _fenced(e: ConsumerEngine, rid="r1", t=0.0, token="tok"):
 def test_with_a_fence_a_new_request_is_not_asked_about_it_waits_for_the_keep_alive(engine):
     _fenced(engine, "r1")
     assert [hb.request_ids for _, hb, _ in _beat(engine, 0.0).heartbeats] == [("r1",)]  # first
+    engine.on_notification(P_AGENT, _ack(0.0, 10.0), 0.01)
     _fenced(engine, "r2", t=0.5)
     assert _beat(engine, 0.5).heartbeats == []  # no ask: the fence will prove its READs
     assert [hb.request_ids for _, hb, _ in _beat(engine, 2.0).heartbeats] == [("r1", "r2")]
@@ -408,6 +410,7 @@ def test_no_fence_without_a_slot_or_without_a_token(engine):
                             fence_slot=slot)
     (_, hb, _), = _beat(engine, 0.0).heartbeats
     assert hb.request_ids == ("r1", "r2")
+    engine.on_notification(P_AGENT, _ack(0.0, 10.0, "r1", "r2"), 0.01)
     _admit(engine, "r3", 0.5)
     assert [hb.request_ids for _, hb, _ in _beat(engine, 0.5).heartbeats] == [("r3",)]  # asked
 
@@ -422,3 +425,27 @@ def test_a_fence_read_that_lands_after_the_request_gave_up_is_ignored(engine):
     assert not f.ok
     assert not engine.fence_read("r1", fence_value("r1", "tok"), 30.1)
     assert engine.counts["refused_events"] == 0
+
+
+def test_a_keep_alive_p_does_not_answer_is_followed_by_an_ask_every_quarter_period(engine):
+    """With the fence D asks nothing at admission, so a lost keep-alive (or its lost answer)
+    must not leave the lease to the next keep-alive alone: D asks again a quarter period
+    later, and every quarter period, until P answers."""
+    _fenced(engine)
+    assert [hb.request_ids for _, hb, _ in _beat(engine, 0.0).heartbeats] == [("r1",)]
+    assert _beat(engine, 0.49).heartbeats == []
+    assert engine.due_at == 0.5
+    (peer, hb, urgent), = _beat(engine, 0.5).heartbeats  # no answer: ask
+    assert hb.request_ids == ("r1",) and not urgent
+    assert _beat(engine, 0.99).heartbeats == []
+    (_, hb, _), = _beat(engine, 1.0).heartbeats  # still none: again
+    engine.on_notification(P_AGENT, _ack(1.0, 10.0), 1.1)
+    assert _beat(engine, 1.5).heartbeats == [] and engine.due_at == 2.0  # answered
+    assert [hb.request_ids for _, hb, _ in _beat(engine, 2.0).heartbeats] == [("r1",)]
+
+
+def test_an_answer_from_another_agent_does_not_count_as_p_s(engine):
+    _fenced(engine)
+    _beat(engine, 0.0)
+    engine.on_notification("impostor", _ack(0.0, 10.0), 0.1)
+    assert [hb.request_ids for _, hb, _ in _beat(engine, 0.5).heartbeats] == [("r1",)]
