@@ -121,8 +121,9 @@ class ConsumerStep:
     finished: list[Finished] = field(default_factory=list)  # tell the host engine, once each
     timed_out: list[str] = field(default_factory=list)  # READs failed past their deadline
     # fence READs to post now, each after its request's READs drained: (request, peer,
-    # P rank, slot); the driver answers each with ``fence_read``
-    fences: list[tuple[str, Hashable, int, int]] = field(default_factory=list)
+    # P rank, slot, planned at); the driver answers each with ``fence_read``, handing back
+    # when it was planned (a late answer to an earlier READ proves nothing)
+    fences: list[tuple[str, Hashable, int, int, float]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -230,19 +231,22 @@ class ConsumerEngine(LedgerEngine):
 
     def admit(self, rid: str, now: float, *, peer: Hashable, remote_engine: str,
               remote_ranks: Iterable[int], num_blocks: int, lease_s: float, token: str = "",
-              local_id: str = "", fence_slot: int | None = None) -> bool:
+              local_id: str = "", fence_slot: int | None = None, fence_slots: int = 0
+              ) -> bool:
         """Take the request (heartbeated from now until its reads drained or P is released).
 
         ``fence_slot``: the export's slot in the peer's fence region, from the parameters
-        (None: none).  With a fence the drained READs are proven by reading it, not by
-        asking P at admission.
+        (None: none); ``fence_slots``: how many slots the peer registered (a slot outside
+        them is no fence).  With a fence the drained READs are proven by reading it, not
+        by asking P at admission.
         """
         if not self._record(Admitted, rid, now, remote_engine=remote_engine,
                             remote_ranks=tuple(remote_ranks), num_blocks=num_blocks,
                             lease_s=lease_s, lease_margin_s=self.timing.lease_margin_s,
                             local_request_id=local_id):
             return False
-        fence = fence_of(rid, token, fence_slot)
+        fence = fence_of(rid, token, fence_slot if fence_slot is not None
+                         and fence_slot < fence_slots else None)
         self._reqs[rid] = _Request(peer, token, fence=fence)
         self._due_cache = None
         if fence is None:
@@ -343,13 +347,15 @@ class ConsumerEngine(LedgerEngine):
         req = self._reqs.get(rid)
         return len(req.in_flight) if req is not None else 0
 
-    def fence_read(self, rid: str, value: int | None, now: float) -> bool:
-        """The fence READ ``poll`` planned for ``rid`` came back with ``value`` (None: it
-        failed).  The request's value proves its READs (`FenceHeld`); anything else proves
-        nothing, and the request asks P instead.  True when it proved them."""
+    def fence_read(self, rid: str, value: int | None, now: float, planned_at: float) -> bool:
+        """The fence READ ``poll`` planned for ``rid`` at ``planned_at`` came back with
+        ``value`` (None: it failed).  The request's value proves its READs (`FenceHeld`);
+        anything else proves nothing, and the request asks P instead.  An answer to any
+        other READ (an earlier one of a request since forgotten and admitted again) is
+        ignored.  True when it proved them."""
         req = self._reqs.get(rid)
         rec = self._rec(rid)
-        if (req is None or req.fence is None or req.fence_posted is None
+        if (req is None or req.fence is None or req.fence_posted != planned_at
                 or rid not in self._reading or not isinstance(rec, ConsumerRecord)):
             return False
         posted, req.fence_posted = req.fence_posted, None
@@ -420,7 +426,7 @@ class ConsumerEngine(LedgerEngine):
                 if (req.fence is not None and req.fence_posted is None
                         and req.fence_reads < FENCE_READS and len(set(rec.split_ranks)) == 1):
                     req.fence_posted = now  # read P's fence (at first, rather than ask P)
-                    step.fences.append((rid, req.peer, rec.split_ranks[0], req.fence[0]))
+                    step.fences.append((rid, req.peer, rec.split_ranks[0], req.fence[0], now))
                 if req.fence is not None and req.fence_reads == 0 and req.fence_posted is not None:
                     continue  # its first fence READ is in flight: no need to ask P yet
                 awaiting.setdefault(req.peer, []).append(rid)

@@ -335,8 +335,10 @@ def _acknowledge(ss, rec: ConsumerRecord, ev) -> ConsumerRecord | None:
     # P read the heartbeat at some time r >= sent_at (on D's clock), so the
     # true deadline is never earlier than sent_at + time_left.  A genuine
     # answer echoes a heartbeat D sent (recorded before it went out), and P
-    # never grants more than a lease: anything else is forged or garbled.
-    if ev.sent_at > rec.last_heartbeat:
+    # never grants more than a lease: anything else is forged or garbled.  A
+    # heartbeat D sent before it admitted this request was about an earlier life
+    # of the id (parameters re-used after D forgot it): P may have freed since.
+    if ev.sent_at > rec.last_heartbeat or ev.sent_at < rec.t0:
         ss.ignored["implausible_ack"] += 1
         return None
     rank = ev.p_rank

@@ -151,7 +151,8 @@ def heartbeat_plan(due: Mapping[Hashable, list[str]], now: float,
             named = set(new).union(waiting)
             named.update(rid for rid in rids if now - vouched(rid) >= period * 1.25
                          or lost is not None and vouched(rid) <= lost)
-            plan.append((peer, [rid for rid in rids if rid in named], urgent, False))
+            if named:  # (a lost keep-alive whose requests P vouched for since: nothing)
+                plan.append((peer, [rid for rid in rids if rid in named], urgent, False))
     return plan
 
 

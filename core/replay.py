@@ -347,8 +347,8 @@ def _reads_in_flight(state: LifecycleState, freed: Event) -> int:
 
 
 def _check_consumer(result: Replay, freed_at: dict, event: Event, rec: ConsumerRecord) -> None:
-    if isinstance(event, LeaseAcknowledged) and event.sent_at <= rec.last_heartbeat:
-        # (an answer that echoes no heartbeat D sent proves nothing)
+    if isinstance(event, LeaseAcknowledged) and rec.t0 <= event.sent_at <= rec.last_heartbeat:
+        # (an answer that echoes no heartbeat D sent for this request proves nothing)
         key = (event.stream, event.request_id, event.p_rank)
         result.proofs.note(key, event.sent_at, event.time_left, rec.lease_s, rec.margin)
         result.proof_keys.setdefault((event.stream, event.request_id), set()).add(key)

@@ -213,13 +213,13 @@ class DecodeEngine:
             return  # proves nothing: only the P rank a request reads may vouch for it
         for rid, left in msg.time_left.items():
             rec = self.state.record(self.streams[d], rid)
-            if rec is not None and msg.sent_at <= rec.last_heartbeat:
+            if rec is not None and rec.t0 <= msg.sent_at <= rec.last_heartbeat:
                 self.proofs.note((d, rid, msg.rank), msg.sent_at, left, rec.lease_s, rec.margin)
 
     def _fence_landed(self, d: int, handle: int, ok: bool, now: float) -> None:
         """Rank ``d``'s fence READ completed: what it found goes to the engine, and (checked
         apart from the fold, as P's answers are) into the proofs when it is the request's."""
-        rid, local, slot, posted_at = self.fence_handles.pop((d, handle))
+        rid, local, slot, posted_at = self.fence_handles.pop((d, handle))  # posted: planned
         value = int(self.landing[d][local]) if ok else None
         self.fences_landed += ok
         self.free_landing[d].append(local)
@@ -228,29 +228,30 @@ class DecodeEngine:
                             imp.params.fence_slot if imp is not None else None)
         if expected is not None and value == expected[1] and slot == expected[0]:
             self.proofs.fence((d, rid, d // self.k), posted_at)
-        self.engines[d].fence_read(rid, value, now)
+        self.engines[d].fence_read(rid, value, now, posted_at)
 
-    def _post_fence(self, d: int, rid: str, peer: str, slot: int, now: float) -> None:
+    def _post_fence(self, d: int, rid: str, peer: str, slot: int, planned: float,
+                    now: float) -> None:
         """Post the fence READ rank ``d``'s engine planned; one that cannot be posted proves
         nothing (the engine asks P instead)."""
         if not self.free_landing[d]:
-            self.engines[d].fence_read(rid, None, now)
+            self.engines[d].fence_read(rid, None, now, planned)
             return
         local = self.free_landing[d].pop()
         try:
             handle = self.agents[d].post_split_read(peer, [fence_split(slot, local)])
         except TransportError:
             self.free_landing[d].append(local)
-            self.engines[d].fence_read(rid, None, now)
+            self.engines[d].fence_read(rid, None, now, planned)
             return
-        self.fence_handles[(d, handle)] = (rid, local, slot, now)
+        self.fence_handles[(d, handle)] = (rid, local, slot, planned)
 
     def _carry_out(self, d: int, step: ConsumerStep, now: float) -> None:
         """Send what rank ``d``'s engine decided; conclude requests every rank reported."""
         if not (step.heartbeats or step.releases or step.finished or step.fences):
             return  # most polls decide nothing
-        for rid, peer, _rank, slot in step.fences:
-            self._post_fence(d, rid, peer, slot, now)
+        for rid, peer, _rank, slot, planned in step.fences:
+            self._post_fence(d, rid, peer, slot, planned, now)
         agent = self.agents[d]
         for peer, hb, urgent in step.heartbeats:
             if self.policy.stop_heartbeat_on_cancel:  # vLLM: a cancel ends the heartbeat
@@ -317,7 +318,8 @@ class DecodeEngine:
             engine.admit(rid, now, peer=self.peers[d], remote_engine=params.remote_engine,
                          remote_ranks=(d // self.k,), num_blocks=params.num_blocks,
                          lease_s=cfg.lease_s, token=params.token, local_id=f"local-{req.serial}",
-                         fence_slot=params.fence_slot if self.fences else None)
+                         fence_slot=params.fence_slot if self.fences else None,
+                         fence_slots=cfg.fence_slots)
         if req.cancelled:  # cancelled before this step admitted it: release P at once
             self._end_without_reads(req, rid, "cancel", "cancelled", now)
             return

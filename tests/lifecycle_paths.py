@@ -45,7 +45,7 @@ P_PATHS: dict[PState, list] = {
 P_PATHS[PState.FREED] = [*P_PATHS[PState.RELEASED], (Freed, {})]
 
 _READING = [ADMIT, (Validated, {}), (ReadsPosted, dict(split_ranks=(0, 0)))]
-_ACK = (LeaseAcknowledged, dict(p_rank=0, sent_at=0.0, time_left=10.0))
+_ACK = (LeaseAcknowledged, dict(p_rank=0, sent_at=0.001, time_left=10.0))  # at admission
 D_PATHS: dict[DState, list] = {
     DState.ADMITTED: [ADMIT],
     DState.VALIDATED: [ADMIT, (Validated, {})],

@@ -48,6 +48,7 @@ class DRec:
     held: dict = field(default_factory=dict)  # P rank -> latest sent_at answered alive
     gone: set = field(default_factory=set)
     last_hb: float = 0.0
+    t0: float = 0.0  # admission
 
 
 # An outcome is (kind, reason): ("applied", ""), ("ignored", reason) or ("refused", "").
@@ -148,11 +149,11 @@ class ReferenceModel:
             if s != "NEW" or not f["remote_engine"] or not f["remote_ranks"] or f["lease_s"] <= 0:
                 return REFUSED, None
             return APPLIED, DRec(state="ADMITTED", lease=f["lease_s"],
-                                 margin=f["lease_margin_s"], last_hb=t)
+                                 margin=f["lease_margin_s"], last_hb=t, t0=t)
         if kind == "lease_acknowledged":
             if s == "NEW":
                 return ignored("unknown_request"), None
-            if f["sent_at"] > r.last_hb:
+            if f["sent_at"] > r.last_hb or f["sent_at"] < r.t0:  # not this life's heartbeat
                 return ignored("implausible_ack"), None
             self._acknowledge(r, f["p_rank"], f["sent_at"], f["time_left"])
             return APPLIED, r

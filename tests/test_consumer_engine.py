@@ -321,7 +321,7 @@ SLOT = 7
 def _fenced(e: ConsumerEngine, rid="r1", t=0.0, token="tok"):
     assert e.admit(rid, t, peer=P_AGENT, remote_engine="prefill-0", remote_ranks=(0,),
                    num_blocks=4, lease_s=12.0, token=token, local_id=f"local-{rid}",
-                   fence_slot=SLOT)
+                   fence_slot=SLOT, fence_slots=64)
     assert e.validated(rid, t)
     assert e.reads_posted(rid, t, (0, 0))
 
@@ -343,9 +343,9 @@ def test_drained_reads_post_one_fence_read_and_the_request_s_value_proves_them(e
     engine.split_done("r1", 1, 0.3)
     step = engine.poll(0.3)
     value = fence_value("r1", "tok")
-    assert step.fences == [("r1", P_AGENT, 0, SLOT)] and step.heartbeats == []
+    assert step.fences == [("r1", P_AGENT, 0, SLOT, 0.3)] and step.heartbeats == []
     assert engine.poll(0.31).fences == []  # posted once
-    assert engine.fence_read("r1", value, 0.32)
+    assert engine.fence_read("r1", value, 0.32, 0.3)
     (f,), = [_beat(engine, 0.32).finished]
     assert f.ok and f.verdict is Verdict.CONFIRMED
     (event,) = [e for e in engine.log if e.kind == "fence_held"]
@@ -361,10 +361,10 @@ def test_a_fence_that_does_not_hold_the_request_s_value_proves_nothing_d_reads_i
     engine.split_done("r1", 0, 0.2)
     engine.split_done("r1", 1, 0.3)
     assert engine.poll(0.3).fences
-    assert not engine.fence_read("r1", value, 0.4)
-    assert not engine.fence_read("r1", fence_value("r1", "tok"), 0.41)  # no READ in flight
+    assert not engine.fence_read("r1", value, 0.4, 0.3)
+    assert not engine.fence_read("r1", fence_value("r1", "tok"), 0.41, 0.3)  # none in flight
     step = _beat(engine, 0.4)
-    assert step.finished == [] and step.fences == [("r1", P_AGENT, 0, SLOT)]  # again
+    assert step.finished == [] and step.fences == [("r1", P_AGENT, 0, SLOT, 0.4)]  # again
     assert [hb.request_ids for _, hb, _ in step.heartbeats] == [("r1",)]  # and P is asked
     assert step.heartbeats[0][2]  # urgent: the bytes wait for P's word
     engine.on_notification(P_AGENT, _ack(0.4, 10.0), 0.5)
@@ -380,9 +380,9 @@ def test_the_second_fence_read_proves_what_the_first_could_not(engine):
     engine.split_done("r1", 0, 0.2)
     engine.split_done("r1", 1, 0.3)
     engine.poll(0.3)
-    assert not engine.fence_read("r1", 0, 0.35)
+    assert not engine.fence_read("r1", 0, 0.35, 0.3)
     assert _beat(engine, 0.36).fences
-    assert engine.fence_read("r1", fence_value("r1", "tok"), 0.37)
+    assert engine.fence_read("r1", fence_value("r1", "tok"), 0.37, 0.36)
     (f,) = engine.poll(0.37).finished
     assert f.ok
     (event,) = [e for e in engine.log if e.kind == "fence_held"]
@@ -396,21 +396,21 @@ def test_d_reads_a_fence_at_most_fence_reads_times(engine):
     reads = 0
     for i in range(10):
         now = 0.3 + i * 0.01
-        for rid, *_ in engine.poll(now).fences:
+        for rid, *_, planned in engine.poll(now).fences:
             reads += 1
-            engine.fence_read(rid, 0, now)
+            engine.fence_read(rid, 0, now, planned)
     assert reads == FENCE_READS
 
 
-def test_no_fence_without_a_slot_or_without_a_token(engine):
+def test_no_fence_without_a_slot_p_has_or_without_a_token(engine):
     assert fence_of("r1", "", SLOT) is None and fence_of("r1", "tok", None) is None
-    for rid, token, slot in (("r1", "", SLOT), ("r2", "tok", None)):
+    for rid, token, slot in (("r1", "", SLOT), ("r2", "tok", None), ("r4", "tok", 64)):
         assert engine.admit(rid, 0.0, peer=P_AGENT, remote_engine="prefill-0",
                             remote_ranks=(0,), num_blocks=4, lease_s=12.0, token=token,
-                            fence_slot=slot)
+                            fence_slot=slot, fence_slots=64)  # r4: a slot P does not have
     (_, hb, _), = _beat(engine, 0.0).heartbeats
-    assert hb.request_ids == ("r1", "r2")
-    engine.on_notification(P_AGENT, _ack(0.0, 10.0, "r1", "r2"), 0.01)
+    assert hb.request_ids == ("r1", "r2", "r4")
+    engine.on_notification(P_AGENT, _ack(0.0, 10.0, "r1", "r2", "r4"), 0.01)
     _admit(engine, "r3", 0.5)
     assert [hb.request_ids for _, hb, _ in _beat(engine, 0.5).heartbeats] == [("r3",)]  # asked
 
@@ -423,7 +423,7 @@ def test_a_fence_read_that_lands_after_the_request_gave_up_is_ignored(engine):
     assert engine.poll(0.3).fences
     (f,) = engine.poll(30.0).finished  # past read_timeout_s: reported failed, unproven
     assert not f.ok
-    assert not engine.fence_read("r1", fence_value("r1", "tok"), 30.1)
+    assert not engine.fence_read("r1", fence_value("r1", "tok"), 30.1, 0.3)
     assert engine.counts["refused_events"] == 0
 
 
@@ -449,3 +449,25 @@ def test_an_answer_from_another_agent_does_not_count_as_p_s(engine):
     _beat(engine, 0.0)
     engine.on_notification("impostor", _ack(0.0, 10.0), 0.1)
     assert [hb.request_ids for _, hb, _ in _beat(engine, 0.5).heartbeats] == [("r1",)]
+
+
+def test_a_late_answer_to_an_earlier_fence_read_proves_nothing(engine):
+    """A fence READ that lands after its request was reported, forgotten and admitted again
+    (the same parameters) is another READ's answer: it must not vouch for the new READs."""
+    _fenced(engine)
+    engine.split_done("r1", 0, 0.2)
+    engine.split_done("r1", 1, 0.3)
+    (*_, first), = engine.poll(0.3).fences
+    assert not engine.fence_read("r1", 0, 0.4, first)  # missed: read again
+    (*_, second), = engine.poll(0.5).fences
+    assert not engine.fence_read("r1", fence_value("r1", "tok"), 0.6, first)  # the first's
+    assert engine.counts["fences_held"] == 0
+    assert engine.fence_read("r1", fence_value("r1", "tok"), 0.7, second)
+
+
+def test_an_unanswered_keep_alive_asks_nothing_about_requests_admitted_since(engine):
+    _admit(engine, "r1")
+    _beat(engine, 0.0)  # the keep-alive names r1; P never answers it
+    engine.cancel("r1", 0.1)  # r1 leaves (released notify-only before any READ)
+    _fenced(engine, "r2", t=0.2)
+    assert _beat(engine, 0.5).heartbeats == []  # r2 came after the keep-alive: no empty ask

@@ -21,9 +21,11 @@ def _log_of(tmp_path, state, name="x.jsonl"):
     from kvhandoff.core.ledger import Ledger
     from kvhandoff.core.lifecycle import LifecycleState
     replayed = Ledger(ledger.stream, LifecycleState(), captured.append)
+    t = 0.0
     for cls, fields in (P_PATHS if isinstance(state, PState) else D_PATHS)[state]:
         fields = dict(fields)
-        replayed.record(cls, RID, fields.pop("t", 1.0), **fields)
+        t = fields.pop("t", t + 0.001)  # the times `ledger_in` uses
+        replayed.record(cls, RID, t, **fields)
     write_log(path, captured)
     return path, captured, replayed.state
 

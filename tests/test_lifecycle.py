@@ -281,7 +281,7 @@ def _drained_reads(ack: bool = False):
     """A request whose two splits from P rank 0 completed at t=1 and t=2, unproven."""
     ledger = ledger_in(D.READING)
     if ack:  # P answered a heartbeat sent at t=0: alive, 10 s left (bound 0 + 10 - 0.5)
-        ledger.record(LeaseAcknowledged, RID, 0.5, p_rank=0, sent_at=0.0, time_left=10.0)
+        ledger.record(LeaseAcknowledged, RID, 0.5, p_rank=0, sent_at=0.001, time_left=10.0)
     ledger.record(SplitCompleted, RID, 1.0, split=0)
     ledger.record(SplitCompleted, RID, 2.0, split=1)
     return ledger
@@ -308,7 +308,8 @@ def test_a_fence_still_proves_what_it_saw_after_p_answered_gone():
     cannot undo what the fence saw: P held the source when the slot was read."""
     ledger = _drained_reads()
     ledger.record(FenceHeld, RID, 2.5, p_rank=0, posted_at=2.0)
-    ledger.record(LeaseAcknowledged, RID, 2.7, p_rank=0, sent_at=0.0, time_left=-1.0)
+    ledger.record(LeaseAcknowledged, RID, 2.7, p_rank=0, sent_at=0.001, time_left=-1.0)
+    assert ledger.state.record(D0, RID).gone == (0,)  # P's "gone" was taken
     assert read_verdict_of(ledger.state.record(D0, RID)) is Verdict.CONFIRMED
 
 
@@ -322,3 +323,14 @@ def test_a_fence_that_cannot_be_true_is_refused(fields, why):
     with pytest.raises(InvalidTransition):
         ledger.record(FenceHeld, RID, 2.5, **fields)
     assert state_hash(ledger.state) == before, why
+
+
+def test_an_answer_to_a_heartbeat_sent_before_admission_proves_nothing():
+    """Found by the worker-pair test of parameters re-used after D forgot them, once the
+    fence let the first life end before P's answer to its keep-alive arrived: that late
+    answer ("alive, a lease left") is about the earlier life of the id, which P has freed
+    since; it must not vouch for the new life's READ."""
+    ledger = ledger_in(D.READING)  # admitted at t=0.001
+    rec = ledger.state.record(D0, RID)
+    ledger.record(LeaseAcknowledged, RID, 0.5, p_rank=0, sent_at=0.0, time_left=10.0)
+    assert rec.safe_until == {} and ledger.state.streams[D0].ignored["implausible_ack"] == 1

@@ -487,9 +487,9 @@ def test_a_failing_log_write_never_reaches_vllm(workers, monkeypatch):
 
     def full(*a):
         raise OSError(28, "No space left on device")
-    for w in (p, d):
-        monkeypatch.setattr(w.writer, "flush", full)
-    with capture_logs() as logs:
+    with capture_logs() as logs:  # before the disk fills: P's notification thread flushes too
+        for w in (p, d):
+            monkeypatch.setattr(w.writer, "flush", full)
         _done_handoff(p, d, port, "r13", "L13", (15,), "tok-13", [15])  # P's answers included
     assert _same(pc, dc, (15,), (15,)) and p._notif_thread.is_alive()
     degraded = [e for e in logs if e["event"] == "vllm.worker.event_log_degraded"]

@@ -189,8 +189,8 @@ class Fleet:
         self.d_in[d].clear()
         for rid in drained:
             engine.split_done(rid, 0, now)
-        for rid, value in fenced:
-            if engine.fence_read(rid, value, now):
+        for rid, value, planned in fenced:
+            if engine.fence_read(rid, value, now, planned):
                 self.fences_held += 1
             else:
                 self.fences_missed += 1
@@ -198,7 +198,7 @@ class Fleet:
             engine.check_unused(rid, P_ENGINE)
             engine.admit(rid, now, peer=self.p_peer[p], remote_engine=P_ENGINE,
                          remote_ranks=(p,), num_blocks=blocks, lease_s=self.lease_s,
-                         token=token, local_id=rid, fence_slot=slot)
+                         token=token, local_id=rid, fence_slot=slot, fence_slots=FENCE_SLOTS)
             engine.validated(rid, now)
             self.fresh[d].add(rid)
         for rid, p, *_ in admits:  # pages are never short here: every READ posts at once
@@ -206,8 +206,8 @@ class Fleet:
             done = now + self.read_s * self.rng.uniform(0.5, 1.5)
             heapq.heappush(self.reads, (done, d, rid))
         step = engine.poll(now)
-        for rid, _, p, slot in step.fences:
-            heapq.heappush(self.fence_reads, (now + self.delay_s, d, rid, p, slot))
+        for rid, _, p, slot, planned in step.fences:
+            heapq.heappush(self.fence_reads, (now + self.delay_s, d, rid, p, slot, planned))
         if not (step.heartbeats or step.releases or step.finished):
             return
         fresh = self.fresh[d]
@@ -263,8 +263,8 @@ class Fleet:
             drained[d].append(rid)
         fenced: list[list] = [[] for _ in range(self.nd)]
         while self.fence_reads and self.fence_reads[0][0] <= now:
-            _, d, rid, p, slot = heapq.heappop(self.fence_reads)
-            fenced[d].append((rid, int(self.fence[p][slot])))
+            _, d, rid, p, slot, planned = heapq.heappop(self.fence_reads)
+            fenced[d].append((rid, int(self.fence[p][slot]), planned))
         for d in range(self.nd):
             self._d_step(d, now, admits[d], drained[d], fenced[d])
 

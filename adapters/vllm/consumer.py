@@ -279,10 +279,8 @@ class ConsumerHalf:
                                    remote_ranks=(self.rank,),
                                    num_blocks=sum(map(len, remote.block_ids)),
                                    lease_s=remote.lease_s, token=remote.token,
-                                   local_id=local_id,
-                                   fence_slot=remote.fence_slot
-                                   if remote.fence_slot is not None
-                                   and remote.fence_slot < peer.fence_slots else None):
+                                   local_id=local_id, fence_slot=remote.fence_slot,
+                                   fence_slots=peer.fence_slots):
             inc.error = "admission refused by the lifecycle"
             self._count("rejected")
             self._count("rejected_lifecycle")
@@ -423,11 +421,11 @@ class ConsumerHalf:
             log.warning(f"vllm.worker.{what}_failed", producer_agent=peer, error=str(exc))
             return False
 
-    def _post_fence(self, rid: str, peer: str, slot: int, now: float) -> None:
+    def _post_fence(self, rid: str, peer: str, slot: int, planned: float, now: float) -> None:
         """Post the fence READ the engine planned; one that cannot be posted proves nothing
         (the engine asks P instead)."""
         if not self._landing_free:
-            self.consumer.fence_read(rid, None, now)
+            self.consumer.fence_read(rid, None, now, planned)
             return
         local = self._landing_free.pop()
         try:
@@ -435,14 +433,14 @@ class ConsumerHalf:
         except Exception as exc:
             self._landing_free.append(local)
             log.warning("vllm.worker.fence_read_failed", request_id=rid, error=str(exc))
-            self.consumer.fence_read(rid, None, now)
+            self.consumer.fence_read(rid, None, now, planned)
             return
-        self._fence_reads[handle] = (rid, local)
+        self._fence_reads[handle] = (rid, local, planned)
 
     def _carry_out(self, step: ConsumerStep, now: float) -> None:
         """Send what the engine decided and hand vLLM what it must hear."""
-        for rid, peer, _rank, slot in step.fences:
-            self._post_fence(rid, peer, slot, now)
+        for rid, peer, _rank, slot, planned in step.fences:
+            self._post_fence(rid, peer, slot, planned, now)
         for peer, hb, urgent in step.heartbeats:
             if self._send(peer, hb, "heartbeat"):
                 self.consumer.heartbeat_sent(peer, hb, now, urgent)
@@ -571,8 +569,9 @@ class ConsumerHalf:
         for c in self.transport.poll():
             fence = self._fence_reads.pop(c.handle, None)
             if fence is not None:  # the slot's word, read now: the engine hears it in _d_drain
-                rid, local = fence
-                self._fence_landed.append((rid, int(self.fence[local]) if c.ok else None))
+                rid, local, planned = fence
+                self._fence_landed.append((rid, int(self.fence[local]) if c.ok else None,
+                                           planned))
                 self._landing_free.append(local)
                 continue
             inc = self._local_of(c.handle)
@@ -588,8 +587,8 @@ class ConsumerHalf:
         """Hand the completions that are due to the engine (`_drain`), request by request,
         and what each fence READ found."""
         landed, self._fence_landed = self._fence_landed, []
-        for rid, value in landed:
-            self.consumer.fence_read(rid, value, now)
+        for rid, value, planned in landed:
+            self.consumer.fence_read(rid, value, now, planned)
         for inc in list(self._incoming.values()):
             if inc.repeats:  # ended for good: only waits for its READs to drain
                 self._end_for_good(inc, now)

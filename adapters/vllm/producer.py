@@ -131,7 +131,8 @@ class ProducerHalf:
         for ex in plan.exports:
             self._p_contained("plan", engine.exported, ex.request_id, now, ex.num_blocks,
                               (self.rank,), ex.token, None,
-                              ex.fence_slot if self.fence is not None else None,
+                              ex.fence_slot if self.fence is not None and ex.fence_slot
+                              is not None and 0 <= ex.fence_slot < len(self.fence) else None,
                               request_id=ex.request_id)
         for rid in plan.aborted:
             self._p_contained("plan", engine.aborted, rid, now, "finished on P before export",

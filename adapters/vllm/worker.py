@@ -133,8 +133,9 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self._report_recving: set[str] = set()  # finished_recving, vLLM not told yet
         self._report_failed: set[str] = set()  # of those, failed
         self._landing_free: list[int] = []  # landing slots no fence READ uses
-        self._fence_reads: dict[int, tuple[str, int]] = {}  # handle -> (request, landing slot)
-        self._fence_landed: list[tuple[str, int | None]] = []  # (request, value) for the engine
+        # fence READs in flight: handle -> (request, landing slot, when the engine planned it)
+        self._fence_reads: dict[int, tuple[str, int, float]] = {}
+        self._fence_landed: list[tuple[str, int | None, float]] = []  # for the engine
         log.info("vllm.worker.started", engine=engine_id, side=side.value, rank=rank,
                  event_log=self.log_path)
 
