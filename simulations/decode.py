@@ -56,13 +56,7 @@ from kvhandoff.simulations.config import RunConfig
 from kvhandoff.simulations.loop import EngineLoop
 from kvhandoff.simulations.policies import DecodePolicy
 from kvhandoff.simulations.prefill import SimRequest, TransferParams
-from kvhandoff.transports.base import (
-    ReadRequest,
-    TransportError,
-    fence_region,
-    fence_split,
-    group_splits,
-)
+from kvhandoff.transports.base import FenceReader, ReadRequest, TransportError, group_splits
 from kvhandoff.transports.sim import SimBlockPool, SimNetwork
 
 
@@ -108,18 +102,14 @@ class DecodeEngine:
         # The fence (`core.fence`): P's slots, and per rank the landing slots free for the
         # fence READs it posts (one per request whose READs drained, until it lands).
         self.fences = policy.fences
-        self.landing: list[np.ndarray] = []
-        self.free_landing: list[list[int]] = []
-        self.fence_handles: dict[tuple[int, int], tuple[str, int, int, float]] = {}
+        self.fence_readers: list[FenceReader] = []
         self.fences_landed = 0  # fence READs that completed (each moved FENCE_BYTES)
         for d, agent in enumerate(self.agents):
             names = kv.region_names(cfg.regions, [d % k], k)
             regions, words = kv.rank_memory(names, cfg.d_blocks, cfg.block_bytes)
             if self.fences:
-                region, landing = fence_region(LANDING_SLOTS)
-                regions.append(region)
-                self.landing.append(landing)
-                self.free_landing.append(list(range(LANDING_SLOTS - 1, -1, -1)))
+                self.fence_readers.append(FenceReader(LANDING_SLOTS))
+                regions.append(self.fence_readers[d].region)
             agent.register(regions)
             self.words.append(words)
             if self.layouts is not None:
@@ -171,8 +161,9 @@ class DecodeEngine:
                 self._on_notification(d, n.peer, n.message, now)
         for d, agent in enumerate(self.agents):
             for c in agent.poll():
-                if (d, c.handle) in self.fence_handles:
-                    self._fence_landed(d, c.handle, c.ok, now)
+                fence = self.fence_readers[d].landed(c) if self.fences else None
+                if fence is not None:
+                    self._fence_landed(d, *fence, now)
                     continue
                 rid, split = self.handles.pop((d, c.handle))
                 self.engines[d].split_done(rid, split, now, c.ok, c.reason)
@@ -216,13 +207,12 @@ class DecodeEngine:
             if rec is not None and rec.t0 <= msg.sent_at <= rec.last_heartbeat:
                 self.proofs.note((d, rid, msg.rank), msg.sent_at, left, rec.lease_s, rec.margin)
 
-    def _fence_landed(self, d: int, handle: int, ok: bool, now: float) -> None:
-        """Rank ``d``'s fence READ completed: what it found goes to the engine, and (checked
-        apart from the fold, as P's answers are) into the proofs when it is the request's."""
-        rid, local, slot, posted_at = self.fence_handles.pop((d, handle))  # posted: planned
-        value = int(self.landing[d][local]) if ok else None
-        self.fences_landed += ok
-        self.free_landing[d].append(local)
+    def _fence_landed(self, d: int, rid: str, slot: int, value: int | None, posted_at: float,
+                      now: float) -> None:
+        """Rank ``d``'s fence READ (planned at ``posted_at``) completed: what it found goes
+        to the engine, and (checked apart from the fold, as P's answers are) into the
+        proofs when it is the request's."""
+        self.fences_landed += value is not None
         imp = self.reading.get(rid)
         expected = fence_of(rid, self.tokens.get(rid, ""),
                             imp.params.fence_slot if imp is not None else None)
@@ -234,17 +224,12 @@ class DecodeEngine:
                     now: float) -> None:
         """Post the fence READ rank ``d``'s engine planned; one that cannot be posted proves
         nothing (the engine asks P instead)."""
-        if not self.free_landing[d]:
-            self.engines[d].fence_read(rid, None, now, planned)
-            return
-        local = self.free_landing[d].pop()
         try:
-            handle = self.agents[d].post_split_read(peer, [fence_split(slot, local)])
+            posted = self.fence_readers[d].post(self.agents[d], peer, rid, slot, planned)
         except TransportError:
-            self.free_landing[d].append(local)
+            posted = False
+        if not posted:
             self.engines[d].fence_read(rid, None, now, planned)
-            return
-        self.fence_handles[(d, handle)] = (rid, local, slot, planned)
 
     def _carry_out(self, d: int, step: ConsumerStep, now: float) -> None:
         """Send what rank ``d``'s engine decided; conclude requests every rank reported."""

@@ -137,6 +137,52 @@ def fence_split(slot: int, local_slot: int) -> ReadSplit:
     return ReadSplit((BlockRun(slot, local_slot, 1),), ((FENCE_REGION, FENCE_REGION),))
 
 
+class FenceReader:
+    """D's side of the fence READs over one transport (`core.fence`): its landing slots (a
+    region to register with the KV regions) and the READs in flight into them.
+
+    Each driver of a `core.consumer.ConsumerEngine` posts the fence READs the engine plans
+    with `post` and hands `landed`'s answer back to the engine (``fence_read``).
+    """
+
+    __slots__ = ("region", "words", "_free", "_reads")
+
+    def __init__(self, slots: int) -> None:
+        self.region, self.words = fence_region(slots)
+        self._free = list(range(slots - 1, -1, -1))
+        self._reads: dict[int, tuple[str, int, int, float]] = {}  # handle -> (rid, landing, slot, planned)
+
+    def post(self, transport: Transport, peer: str, rid: str, slot: int,
+             planned: float) -> bool:
+        """Post one READ of P's ``slot``; False when no landing slot is free (it proves
+        nothing: the engine asks P).  What ``post_split_read`` raises, the caller handles."""
+        if not self._free:
+            return False
+        local = self._free.pop()
+        try:
+            handle = transport.post_split_read(peer, [fence_split(slot, local)])
+        except BaseException:
+            self._free.append(local)
+            raise
+        self._reads[handle] = (rid, local, slot, planned)
+        return True
+
+    def landed(self, c: Completion) -> tuple[str, int, int | None, float] | None:
+        """(request, P's slot, the word it found or None when the READ failed, when the engine
+        planned it) for a completion of one of these READs; None for any other."""
+        read = self._reads.pop(c.handle, None)
+        if read is None:
+            return None
+        rid, local, slot, planned = read
+        value = int(self.words[local]) if c.ok else None  # read before the slot is reused
+        self._free.append(local)
+        return rid, slot, value, planned
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._reads)
+
+
 @dataclass(frozen=True, slots=True)
 class Completion:
     handle: int

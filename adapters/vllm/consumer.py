@@ -41,7 +41,7 @@ from kvhandoff.core.planning import (
     tokens_loaded,
     validate_block_ids,
 )
-from kvhandoff.transports.base import fence_split, group_splits
+from kvhandoff.transports.base import group_splits
 
 log = structlog.get_logger(__name__)
 
@@ -424,18 +424,13 @@ class ConsumerHalf:
     def _post_fence(self, rid: str, peer: str, slot: int, planned: float, now: float) -> None:
         """Post the fence READ the engine planned; one that cannot be posted proves nothing
         (the engine asks P instead)."""
-        if not self._landing_free:
-            self.consumer.fence_read(rid, None, now, planned)
-            return
-        local = self._landing_free.pop()
         try:
-            handle = self.transport.post_split_read(peer, [fence_split(slot, local)])
+            posted = self.fence_reader.post(self.transport, peer, rid, slot, planned)
         except Exception as exc:
-            self._landing_free.append(local)
             log.warning("vllm.worker.fence_read_failed", request_id=rid, error=str(exc))
+            posted = False
+        if not posted:
             self.consumer.fence_read(rid, None, now, planned)
-            return
-        self._fence_reads[handle] = (rid, local, planned)
 
     def _carry_out(self, step: ConsumerStep, now: float) -> None:
         """Send what the engine decided and hand vLLM what it must hear."""
@@ -567,12 +562,10 @@ class ConsumerHalf:
         """Collect READ completions (the caller reads the clock after this: a completion's
         time is never earlier than its receipt, or a late READ could pass for a safe one)."""
         for c in self.transport.poll():
-            fence = self._fence_reads.pop(c.handle, None)
+            fence = self.fence_reader.landed(c)
             if fence is not None:  # the slot's word, read now: the engine hears it in _d_drain
-                rid, local, planned = fence
-                self._fence_landed.append((rid, int(self.fence[local]) if c.ok else None,
-                                           planned))
-                self._landing_free.append(local)
+                rid, _slot, value, planned = fence
+                self._fence_landed.append((rid, value, planned))
                 continue
             inc = self._local_of(c.handle)
             if inc is None:

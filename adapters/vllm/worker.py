@@ -64,7 +64,7 @@ from kvhandoff.core.lifecycle import LifecycleState
 from kvhandoff.core.log import LogWriter
 from kvhandoff.core.planning import prefill_backoff
 from kvhandoff.core.producer import ProducerEngine
-from kvhandoff.transports.base import RegionMismatch, fence_region
+from kvhandoff.transports.base import FenceReader, RegionMismatch, fence_region
 from kvhandoff.transports.caches import kv_regions
 
 log = structlog.get_logger(__name__)
@@ -121,7 +121,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self._notif_thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._report_sending: set[str] = set()  # freed, vLLM not told yet
-        self.fence: Any = None  # P: its fence slots; D: its landing slots (`core.fence`)
+        self.fence: Any = None  # P: its fence slots (`core.fence`)
         # D
         self._peers: dict[tuple[str, int], ProducerLink] = {}  # (host, port) -> peer
         self._refused: dict[tuple[str, int], tuple[float, str, str]] = {}  # (when, why, class)
@@ -132,9 +132,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self._fail_now: list[str] = []  # local ids to report failed this step
         self._report_recving: set[str] = set()  # finished_recving, vLLM not told yet
         self._report_failed: set[str] = set()  # of those, failed
-        self._landing_free: list[int] = []  # landing slots no fence READ uses
-        # fence READs in flight: handle -> (request, landing slot, when the engine planned it)
-        self._fence_reads: dict[int, tuple[str, int, float]] = {}
+        self.fence_reader: FenceReader | None = None  # D: its fence READs, once registered
         self._fence_landed: list[tuple[str, int | None, float]] = []  # for the engine
         log.info("vllm.worker.started", engine=engine_id, side=side.value, rank=rank,
                  event_log=self.log_path)
@@ -239,14 +237,13 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
                            cache_layout=layout.to_wire())
         # The fence: P's slots (the handshake tells D how many), or D's landing slots for
         # the fence READs in flight (`core.fence`).
-        slots = self.cfg.fence_slots if self.side is Side.P else LANDING_SLOTS
-        if slots:
-            region, self.fence = fence_region(slots)
+        if self.side is Side.D:
+            self.fence_reader = FenceReader(LANDING_SLOTS)
+            regions = [*regions, self.fence_reader.region]
+        elif self.cfg.fence_slots:
+            region, self.fence = fence_region(self.cfg.fence_slots)
             regions = [*regions, region]
-            if self.side is Side.P:
-                self.compat.update(fence_slots=slots)
-            else:
-                self._landing_free = list(range(slots - 1, -1, -1))
+            self.compat.update(fence_slots=self.cfg.fence_slots)
         agent = f"{self.engine_id}-{self.side.value}{self.rank}-{uuid.uuid4().hex[:8]}"
         self.transport = make_transport(agent)
         self.transport.register(regions)
@@ -311,7 +308,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
                 self._stage("drain", self._d_drain, now)
                 self._stage("notifications", self._d_notifs, now)
                 self._stage("engine", self._d_engine, now)
-                if self._fence_reads:
+                if self.fence_reader is not None and self.fence_reader.in_flight:
                     # A fence READ is 8 bytes: on one host UCX often completes it while
                     # posting, so look once more now rather than a whole engine step later.
                     self._stage("poll", self._d_poll)
