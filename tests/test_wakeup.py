@@ -82,6 +82,28 @@ def test_the_progress_thread_default_follows_the_environment(monkeypatch):
         NixlOptions()
 
 
+@pytest.mark.parametrize("env, p_thread, d_thread", [(None, True, False), ("1", True, True),
+                                                     ("0", False, False)])
+def test_the_connector_starts_the_progress_thread_on_p_only_unless_told(tmp_path, monkeypatch,
+                                                                       env, p_thread, d_thread):
+    """P must answer UCX (a GET over tcp, connection set-up) while its engine is busy
+    elsewhere; D progresses its own READs and answers from its engine step."""
+    if env is None:
+        monkeypatch.delenv(PROGRESS_THREAD_ENV, raising=False)
+    else:
+        monkeypatch.setenv(PROGRESS_THREAD_ENV, env)
+    extra = {"lease_s": LEASE, "log_dir": str(tmp_path), "side_channel_port": _port()}
+    workers = [HandoffWorker(HandoffConfig.from_extra(extra, env={}), f"{side.value}-pt", side, 0, 1,
+                             COMPAT) for side in (Side.P, Side.D)]
+    try:
+        for w in workers:
+            w.register_kv_caches(_caches(), LAYOUT)
+        assert [w.transport.options.progress_thread for w in workers] == [p_thread, d_thread]
+    finally:
+        for w in workers:
+            w.close()
+
+
 def test_an_agent_without_the_progress_thread_starts_no_thread():
     import os
 

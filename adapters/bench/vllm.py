@@ -10,8 +10,9 @@ overlaps a measurement of the other.  By default the pair not being measured
 is frozen (SIGSTOP) meanwhile: NixlConnector's idle engines busy-spin a core
 each, which on a small machine would slow whichever pair is measured next to
 them; ``--co-located`` keeps both pairs running instead.
-``--no-progress-thread`` starts kvhandoff's NIXL agents without NIXL's
-progress thread (``KVHANDOFF_NIXL_PROGRESS_THREAD=0``, docs/nixl.md).
+``--progress-thread`` says which of kvhandoff's engines start NIXL's
+progress thread: ``p`` (as shipped: P's, not D's), ``both`` or ``none``
+(``KVHANDOFF_NIXL_PROGRESS_THREAD`` unset, ``1``, ``0``; docs/nixl.md).
 
 Measured per request on D, the same way for both connectors:
 ``d_ttft_ms`` (D received the request → first token) and ``transfer_ms``
@@ -40,6 +41,9 @@ from kvhandoff.adapters.vllm.demo import prompts_for
 from kvhandoff.adapters.vllm.tiny_model import TINY_MODEL_KINDS, write_tiny_model
 from kvhandoff.transports.nixl.agent import PROGRESS_THREAD_ENV
 
+# --progress-thread: the environment variable's value for kvhandoff's engines (None: unset).
+PROGRESS_THREAD_CHOICES = {"p": None, "both": "1", "none": "0"}
+
 MODELS = {"llama": "tiny seeded Llama (2 layers, 2 KV heads, head 64, fp32)",
           "gemma3": "tiny seeded Gemma-3 (4 layers: sliding window 64 / full attention, fp32)",
           "mamba2": "tiny seeded Mamba2 (2 layers, state 16, fp32)"}
@@ -58,9 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--co-located", action="store_true",
                    help="keep the other pair running during each measurement")
-    p.add_argument("--no-progress-thread", action="store_true",
-                   help="kvhandoff's engines start NIXL agents without a progress thread "
-                        "(KVHANDOFF_NIXL_PROGRESS_THREAD=0; docs/nixl.md)")
+    p.add_argument("--progress-thread", choices=tuple(PROGRESS_THREAD_CHOICES), default="p",
+                   help="kvhandoff's engines with NIXL's progress thread: p (default, as "
+                        "shipped), both, none (KVHANDOFF_NIXL_PROGRESS_THREAD; docs/nixl.md)")
     p.add_argument("--workdir", default=None)
 
 
@@ -108,8 +112,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _logs_to_stderr()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvhandoff-bench-vllm-"))
     model = write_tiny_model(args.model, workdir / f"model-{args.model}")
-    if args.no_progress_thread:  # read by kvhandoff's transport only, in the engines it starts
-        os.environ[PROGRESS_THREAD_ENV] = "0"
+    # Read by kvhandoff's transport only, in the engines it starts.
+    os.environ.pop(PROGRESS_THREAD_ENV, None)
+    if PROGRESS_THREAD_CHOICES[args.progress_thread] is not None:
+        os.environ[PROGRESS_THREAD_ENV] = PROGRESS_THREAD_CHOICES[args.progress_thread]
     load_before = os.getloadavg()
     # No prefix cache: every request moves its whole prompt, for both connectors.
     pairs = {c: PDPair(PDConfig(model_dir=str(model), connector=c, workdir=str(workdir / c), tag=c,
@@ -176,7 +182,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "settings": {"requests": args.requests, "prompt_tokens": args.prompt_tokens,
                      "output_tokens": args.output_tokens, "warmup": args.warmup,
                      "model": MODELS[args.model],
-                     PROGRESS_THREAD_ENV: os.environ.get(PROGRESS_THREAD_ENV, "1"),
+                     "progress_thread": args.progress_thread,
                      "VLLM_CPU_OMP_THREADS_BIND": "0"},
         "engine_start_s": round(start_s, 1),
         "isolated": not args.co_located,

@@ -22,8 +22,11 @@ that fold:
   vLLM keeps D's destination blocks too, because the scheduler half answered
   ``delay_free`` for it.
 
-All ledger and transport calls go through one lock: the notification thread
-and the engine thread share both.  Time is ``time.monotonic()`` here, passed
+NIXL's progress thread runs on P only (transports/nixl/agent.py): D's engine
+step progresses its own READs and collects P's answers in one hop, and a
+small thread of D's (`ConsumerHalf._progress_loop`) moves READs in flight
+between engine steps.  All ledger and transport calls go through one lock:
+the engine thread and P's notification thread or D's READ thread share both.  Time is ``time.monotonic()`` here, passed
 into the core.
 
 The event log is written to the OS (``write``, not ``fsync``) at the end of
@@ -118,8 +121,10 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self.total = kstats.empty()
         # P
         self._server: SideChannelServer | None = None
-        self._notif_thread: threading.Thread | None = None
+        # P: the notification thread; D without NIXL's progress thread: the READ pump.
+        self._background: threading.Thread | None = None
         self._stop = threading.Event()
+        self._progress_wanted = threading.Event()  # D: READs posted, see `_progress_loop`
         self._report_sending: set[str] = set()  # freed, vLLM not told yet
         self.fence: Any = None  # P: its fence slots (`core.fence`)
         # D
@@ -245,7 +250,9 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
             regions = [*regions, region]
             self.compat.update(fence_slots=self.cfg.fence_slots)
         agent = f"{self.engine_id}-{self.side.value}{self.rank}-{uuid.uuid4().hex[:8]}"
-        self.transport = make_transport(agent)
+        # NIXL's progress thread on P only (transports/nixl/agent.py, "Without the
+        # progress thread"): D's engine step progresses its own READs and answers.
+        self.transport = make_transport(agent, progress_thread_otherwise=self.side is Side.P)
         self.transport.register(regions)
         log.info("vllm.worker.registered", regions=len(regions), num_blocks=self.num_blocks,
                  groups=[g.kind.value for g in layout.groups], agent=agent)
@@ -253,9 +260,13 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
             self._server = SideChannelServer(
                 self.cfg.side_channel_host, self.cfg.side_channel_port + self.rank,
                 self.engine_id, self.rank, self.compat, self._on_hello)
-            self._notif_thread = threading.Thread(target=self._notif_loop, daemon=True,
-                                                  name="kvhandoff-notifications")
-            self._notif_thread.start()
+            self._background = threading.Thread(target=self._notif_loop, daemon=True,
+                                                name="kvhandoff-notifications")
+        elif not self.transport.options.progress_thread:
+            self._background = threading.Thread(target=self._progress_loop, daemon=True,
+                                                name="kvhandoff-read-progress")
+        if self._background is not None:
+            self._background.start()
 
     def _prune(self, now: float) -> None:
         """Forget finished records `to_forget` names (two leases after they ended, the
@@ -286,6 +297,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
                 self._stage("handshakes", self._finish_handshakes, now)
                 self._stage("plan", self._d_plan, plan, now)
                 self._stage("engine", self._d_engine, now)
+                self._wake_progress()
             self._flush_log()
 
     def finish_step(self) -> tuple[set[str], set[str], set[str]]:
@@ -315,6 +327,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
                     now = max(now, time.monotonic())
                     self._stage("drain", self._d_drain, now)
                     self._stage("engine", self._d_engine, now)
+                self._wake_progress()
             self._flush_log()
             sending, self._report_sending = self._report_sending, set()
             recving, self._report_recving = self._report_recving, set()
@@ -323,8 +336,9 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
 
     def close(self) -> None:
         self._stop.set()
-        if self._notif_thread is not None:
-            self._notif_thread.join(timeout=2)
+        self._progress_wanted.set()
+        if self._background is not None:
+            self._background.join(timeout=2)
         if self._server is not None:
             self._server.close()
         with self.lock:

@@ -19,10 +19,10 @@ both must be fixed *before* the agent (and with it UCX's context) starts:
   timeout as a workaround for one): idle cost ~2 % of a core, transfers
   unchanged (measured; see docs/nixl.md).  The Python API offers no setting
   for it, so `create_agent` passes the delay to the bindings' agent config
-  while the stock ``nixl_agent`` constructor runs (`_progress_delay`).  We
-  keep the progress thread rather than drive progress only from `poll`:
-  the source side of a READ (P) must answer UCX connection set-up and
-  notifications even while its engine thread is busy elsewhere.
+  while the stock ``nixl_agent`` constructor runs (`_progress_delay`).  The
+  source side of a READ (P) keeps the progress thread: it must answer UCX
+  connection set-up, GETs over ``tcp`` and notifications even while its
+  engine thread is busy elsewhere.
 
 **Without the progress thread** (``NixlOptions(progress_thread=False)``, or
 ``KVHANDOFF_NIXL_PROGRESS_THREAD=0`` in the environment, which sets the
@@ -34,8 +34,14 @@ heartbeat's round trip went (docs/benchmarks.md, bench vllm co-located), and
 an idle agent costs nothing between calls.  The price: nothing answers UCX
 between the caller's calls, so a READ that needs the source's CPU (UCX's
 ``tcp`` between nodes) or a connection set-up waits for the source's next
-call, and messages to an agent that makes no calls queue at their senders.
-Opt-in for that reason.
+call, a READ that takes several rounds moves one round per call, and messages
+to an agent that makes no calls queue at their senders (`NixlTransport.progress`
+collects notifications too, which moves UCX's worker).  The vLLM connector
+starts P's agents with the thread and D's without it (`progress_thread_default`,
+called with the side's default; the environment variable overrides both): D
+initiates every READ and collects every answer from its own engine step, and
+between steps a thread of D's connector calls `progress` every half
+millisecond while a READ is in flight (docs/nixl.md, "What the connector does").
 """
 
 from __future__ import annotations
@@ -68,11 +74,14 @@ UCX_DEFAULTS: dict[str, tuple[str, str]] = {
 }
 
 
-PROGRESS_THREAD_ENV = "KVHANDOFF_NIXL_PROGRESS_THREAD"  # "0": no progress thread by default
+PROGRESS_THREAD_ENV = "KVHANDOFF_NIXL_PROGRESS_THREAD"  # "0" or "1": overrides every default
 
 
-def _progress_thread_default() -> bool:
-    raw = os.environ.get(PROGRESS_THREAD_ENV, "1").strip()
+def progress_thread_default(otherwise: bool = True) -> bool:
+    """Whether to start NIXL's progress thread: `PROGRESS_THREAD_ENV` if set, else ``otherwise``."""
+    raw = os.environ.get(PROGRESS_THREAD_ENV, "").strip()
+    if not raw:
+        return otherwise
     if raw not in ("0", "1"):
         raise ValueError(f"{PROGRESS_THREAD_ENV}: expected 0 or 1, found {raw!r}")
     return raw == "1"
@@ -85,7 +94,7 @@ class NixlOptions:
     ``progress_delay_us``: the progress thread's poll timeout (see module
     docstring); NIXL rounds it up to whole milliseconds; 0 restores NIXL's
     busy-spin.  ``progress_thread``: start NIXL's progress thread (default:
-    yes, unless ``KVHANDOFF_NIXL_PROGRESS_THREAD=0``); without it the caller's
+    `progress_thread_default`: yes, unless ``KVHANDOFF_NIXL_PROGRESS_THREAD=0``); without it the caller's
     calls progress UCX (see module docstring).  ``num_threads``: UCX worker threads that post one transfer's
     descriptors in parallel (0: post from the caller's thread).
     ``ucx_defaults``: set `UCX_DEFAULTS` where the user has not.
@@ -98,7 +107,7 @@ class NixlOptions:
 
     backends: tuple[str, ...] = ("UCX",)
     progress_delay_us: int = 1000
-    progress_thread: bool = field(default_factory=_progress_thread_default)
+    progress_thread: bool = field(default_factory=progress_thread_default)
     num_threads: int = 0
     ucx_defaults: bool = True
     telemetry: bool = False

@@ -159,6 +159,7 @@ class NixlTransport:
         self._peers: dict[str, _Peer] = {}
         self._pending: dict[int, _Pending] = {}
         self._settled: list[Completion] = []  # completions decided at post time
+        self._inbox: list[Notification] = []  # collected by `progress`, returned by `recv_notifs`
         self._next_handle = 0
         self._closed = False
         self.descriptors_posted = 0  # one per block run and region pair
@@ -361,6 +362,11 @@ class NixlTransport:
         out, self._settled = self._settled, []
         return out
 
+    @property
+    def reads_in_flight(self) -> int:
+        """READs posted whose completion NIXL has not reported yet."""
+        return len(self._pending)
+
     def progress(self) -> None:
         """Advance READs in flight without collecting their completions (`poll` returns them).
 
@@ -373,6 +379,12 @@ class NixlTransport:
         for pending in list(self._pending.values()):
             if self._advance(pending):
                 self._settled.append(self._finish(pending))
+        if not self.options.progress_thread:
+            # Without NIXL's thread only our calls move UCX: collecting notifications
+            # does (NIXL's getNotifs progresses the worker), so a message this agent
+            # sent, a connection set-up or a peer's message is handled now, not at the
+            # next `recv_notifs`.  What arrived waits in the inbox for it.
+            self._inbox.extend(self._collect())
 
     # -- notifications -------------------------------------------------------
 
@@ -389,6 +401,11 @@ class NixlTransport:
 
     def recv_notifs(self) -> list[Notification]:
         self._open()
+        out, self._inbox = self._inbox, []
+        out.extend(self._collect())
+        return out
+
+    def _collect(self) -> list[Notification]:
         out: list[Notification] = []
         for peer, messages in self._agent.get_new_notifs().items():
             name = peer.decode() if isinstance(peer, bytes) else peer
