@@ -110,6 +110,7 @@ class ProducerEngine(LedgerEngine):
         # only move deadlines later); ``_ended`` holds what a release just ended.
         self._due_at = math.inf
         self._ended: list[str] = []
+        self._unpinned: list[str] = []  # exports refused: the host engine frees them now
 
     # ---- what the host engine did --------------------------------------------
 
@@ -131,6 +132,20 @@ class ProducerEngine(LedgerEngine):
             if slot >= 0:
                 self._fence_owner[slot] = rid
                 self._fence_out.append((slot, fence_value(rid, token)))
+        else:
+            # The host engine keeps these blocks until we name them: an export the fold
+            # refuses must not pin them for ever.  Only when the id's earlier life was
+            # already freed (and reported): a live one will be reported when it ends, and
+            # the host engine must hear of each id once.  No lease, so no READ is safe:
+            # D's heartbeat hears "unknown" and the fence never vouches for it.
+            rec = self._rec(rid)
+            if rec is not None and rec.state is PState.FREED:
+                self._unpinned.append(rid)
+                log.warning("producer.export_refused_freed_now", stream=str(self.stream),
+                            request_id=rid)
+            else:
+                log.error("producer.export_refused_live_id", stream=str(self.stream),
+                          request_id=rid, state=None if rec is None else rec.state.value)
         return ok
 
     def aborted(self, rid: str, now: float, reason: str) -> None:
@@ -197,6 +212,9 @@ class ProducerEngine(LedgerEngine):
         fence writes of what was exported since, and of what is freed, to carry out first)."""
         step = ProducerStep()
         step.fences, self._fence_out = self._fence_out, []
+        if self._unpinned:
+            step.freed, self._unpinned = self._unpinned, []
+            self.counts["exports_refused_freed"] += len(step.freed)
         deferred, self._deferred = self._deferred, []
         for since, sender, hb in deferred:
             try:  # a peer's message costs only itself, whatever it does

@@ -233,3 +233,25 @@ def test_fence_slots_are_handed_out_once_each_until_given_back():
     assert {a, b} == {0, 1} and slots.take() is None and slots.free == 0
     slots.give_back(a)
     assert slots.take() == a
+
+
+def test_an_export_refused_after_the_id_s_earlier_life_was_freed_is_freed_at_once(engine):
+    """vLLM keeps a delay-freed request's blocks until P names it: an export the fold
+    refuses (the id's expired life is still remembered) is named at once, not pinned for
+    ever, and no heartbeat can vouch for it."""
+    _exported(engine)
+    assert engine.poll(LEASE).freed == ["r1"]  # expired, freed, remembered two leases
+    assert not engine.exported("r1", LEASE + 1.0, 4, (0,), "tok-2", fence_slot=3)
+    step = engine.poll(LEASE + 1.0)
+    assert step.freed == ["r1"] and step.fences == []
+    assert engine.poll(LEASE + 2.0).freed == []  # once
+    (_, ack), = engine.on_notification(D_AGENT, _hb(["r1"]), LEASE + 2.0).acks
+    assert ack.time_left == {"r1": -1.0}
+    assert engine.counts["exports_refused_freed"] == 1
+
+
+def test_an_export_refused_while_the_id_is_live_is_not_freed_twice(engine):
+    _exported(engine)
+    assert not engine.exported("r1", 1.0, 4, (0,), "tok")
+    assert engine.poll(1.0).freed == []
+    assert engine.poll(LEASE).freed == ["r1"]  # the live lease's own end, reported once
