@@ -482,6 +482,18 @@ def test_one_export_that_raises_costs_only_itself(workers, monkeypatch):
     assert "exported" not in _kinds(p, "x1") and _kinds(p, "x2")[-1] == "exported"
 
 
+def test_an_export_that_finds_no_fence_slot_is_counted(workers):
+    """P's scheduler hands no slot when every one is live: operators see it in the stats."""
+    p, d, pc, dc, port = workers
+    p.start_step(StepPlan(prefill_started=["u1", "u2"]))
+    p.finish_step()
+    p.take_stats()
+    p.start_step(StepPlan(exports=[Export("u1", 1, "t1"), Export("u2", 1, "t2", 7)]))
+    p.finish_step()
+    stats = p.take_stats()
+    assert stats["exports_unfenced"] == 1 and stats["leases_exported"] == 2
+
+
 def test_a_failing_log_write_never_reaches_vllm(workers, monkeypatch):
     p, d, pc, dc, port = workers
 

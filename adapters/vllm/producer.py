@@ -129,11 +129,13 @@ class ProducerHalf:
         for rid in plan.prefill_started:
             self._p_contained("plan", engine.prefill_started, rid, now, request_id=rid)
         for ex in plan.exports:
+            slot = ex.fence_slot
+            if self.fence is None or slot is None or not 0 <= slot < len(self.fence):
+                slot = None
+                if self.fence is not None:  # every slot was live: D proves it by asking P
+                    self._count("exports_unfenced")
             self._p_contained("plan", engine.exported, ex.request_id, now, ex.num_blocks,
-                              (self.rank,), ex.token, None,
-                              ex.fence_slot if self.fence is not None and ex.fence_slot
-                              is not None and 0 <= ex.fence_slot < len(self.fence) else None,
-                              request_id=ex.request_id)
+                              (self.rank,), ex.token, None, slot, request_id=ex.request_id)
         for rid in plan.aborted:
             self._p_contained("plan", engine.aborted, rid, now, "finished on P before export",
                               request_id=rid)

@@ -31,6 +31,10 @@ COUNTERS = (
     # asking P), and those that did not (failed, not written yet, cleared, or another
     # request's value after a slot collision): D asked P instead.
     "fences_held", "fences_missed",
+    # P: exports that got no fence slot (every slot was live: `fence_slots` too small for
+    # the live leases), and exports the lifecycle refused whose blocks were freed at once
+    # (the id's earlier life expired and is still remembered, docs/lifecycle.md).
+    "exports_unfenced", "exports_refused_freed",
 )
 
 # family -> (Prometheus label, its values); the last value is the catch-all.
