@@ -213,6 +213,15 @@ MUTANTS: tuple[Mutant, ...] = (
            "        if not l_ids or (local_rank and local.shared_host_pool):\n",
            "with a HiSparse host pool shared by D's ranks, a rank other than 0 skips its "
            "device groups too (its indexer never read, served as if it had been)"),
+    Mutant("refused_export_stays_pinned", "core/producer.py",
+           "                self._unpinned.append(rid)\n",
+            "",
+            "an export the fold refuses is never named: vLLM keeps its blocks for ever"),
+    Mutant("refused_live_export_freed", "core/producer.py",
+           "            if rec is not None and rec.state is PState.FREED:\n",
+           "            if rec is not None:\n",
+           "an export refused while the id's earlier life is live is named too: vLLM hears "
+           "of the id twice (its scheduler asserts on the second)"),
 )
 
 
