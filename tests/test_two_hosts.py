@@ -264,3 +264,26 @@ def test_bench_nixl_over_tcp_reads_over_tcp_and_verifies_every_byte():
     assert reads and all(row.endswith("tcp/lo") for x in reads for row in x["rows"]), reads
     assert r["read_protocols"]["same_node_transports"] == []
     assert r["targets"]["reads_over_tcp_only"] is True
+
+
+def test_d_s_reads_over_tcp_move_between_its_engine_steps():
+    """A GET over tcp takes several UCX rounds; a busy D polls once per engine step.
+    Without NIXL's progress thread the connector's D moves its READs in flight between
+    steps (`ReadProgress`): ``bench nixl --d-progress connector --d-step-ms 100`` sees
+    every READ done by D's third poll (its polls alone took 8-14 at 30 ms steps,
+    docs/nixl.md; with ``--d-progress none`` this test fails: 3-5 polls)."""
+    import json
+    import subprocess
+    import sys
+
+    d_progress = "connector"
+    out = subprocess.run(
+        [sys.executable, "-m", "kvhandoff.adapters.bench.nixl", "--transport", "tcp",
+         "--payload-mib", "16", "--reps", "1", "--idle-seconds", "0.1", "--json",
+         "--d-progress", d_progress, "--d-step-ms", "100"],
+        capture_output=True, text=True, timeout=300, check=True)
+    r = json.loads(out.stdout)
+    assert r["options"]["d_progress"] == d_progress and r["options"]["d_step_ms"] == 100
+    assert all(row["verified"] for row in r["rows"])
+    assert all(row["polls_median"] <= 3 for row in r["rows"]), [
+        (row["descriptors"], row["polls_median"]) for row in r["rows"]]

@@ -503,7 +503,7 @@ def test_a_failing_log_write_never_reaches_vllm(workers, monkeypatch):
         for w in (p, d):
             monkeypatch.setattr(w.writer, "flush", full)
         _done_handoff(p, d, port, "r13", "L13", (15,), "tok-13", [15])  # P's answers included
-    assert _same(pc, dc, (15,), (15,)) and p._background.is_alive()
+    assert _same(pc, dc, (15,), (15,)) and p._notif_thread.is_alive()
     degraded = [e for e in logs if e["event"] == "vllm.worker.event_log_degraded"]
     assert len(degraded) == 2 and all(e["log_level"] == "critical" for e in degraded)
     assert p.log_degraded and d.log_degraded

@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import dataclasses
 import datetime as dt
 import glob
 import multiprocessing as mp
@@ -57,6 +58,7 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -133,6 +135,9 @@ STRIDED = {
     "cuda": KVLayout("Qwen2.5-7B", 28, 4, 128, "per-layer-kv", stride_blocks=2),
 }
 PAYLOAD = {"cpu": 256 * MiB, "cuda": 1024 * MiB}
+# --d-progress: NIXL's own progress thread on D, the vLLM connector's D (no NIXL thread,
+# `ReadProgress` at the connector's default periods), or D's polls alone.
+D_PROGRESS = ("thread", "connector", "none")
 
 # --transport tcp: UCX as between nodes (the two-host tests' settings, tests/two_hosts.py,
 # which a test keeps equal): the network transport alone, on the loopback interface.
@@ -163,6 +168,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "P's payload VRAM; baseline: a device-to-host copy")
     parser.add_argument("--strided", action="store_true",
                         help="add a row of strided regions (blocks 2x their size apart)")
+    parser.add_argument("--d-progress", choices=D_PROGRESS, default="thread",
+                        help="what progresses D's READs: thread (NIXL's progress thread), "
+                             "connector (no NIXL thread; ReadProgress, as the vLLM connector's D), "
+                             "none (no thread: D's polls only)")
+    parser.add_argument("--d-step-ms", type=float, default=0.0,
+                        help="D polls once per step of this many ms, as an engine busy with "
+                             "other work (default 0: polls without pause)")
     parser.add_argument("--idle-seconds", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=7)
 
@@ -233,7 +245,9 @@ def _run(args: argparse.Namespace) -> dict:
         "idle_cpu_percent_nixl_default": round(idle_default, 2),
         "options": {"progress_delay_us": delay, "num_threads": args.threads,
                     "vram_ipc": vram_ipc, "transport": "tcp" if tcp else "default",
-                    "dst": "host" if host_dst else "device"},
+                    "dst": "host" if host_dst else "device",
+                    "d_progress": getattr(args, "d_progress", "thread"),
+                    "d_step_ms": getattr(args, "d_step_ms", 0.0)},
         "versions": _versions(),
         "ucx_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")} | env,
     }
@@ -247,14 +261,26 @@ def _run(args: argparse.Namespace) -> dict:
 
 def _measure(args, device, payload, kind, d_kind, options, layouts, views, plans, rng, tag,
              xp, env) -> dict:
+    from kvhandoff.adapters.vllm.config import HandoffConfig
     from kvhandoff.transports.base import KVRegion
     from kvhandoff.transports.nixl import NixlTransport, ReadSplit, runs_array
     from kvhandoff.transports.nixl.process import TransportProcess, pattern
+    from kvhandoff.transports.nixl.progress import ReadProgress
 
     tcp = bool(env)
+    d_progress = getattr(args, "d_progress", "thread")
+    step_s = getattr(args, "d_step_ms", 0.0) / 1e3
     with TransportProcess(f"bench-P-{tag}", options, env=env) as p:
         p.allocate_views(kind, 0, payload, args.seed, views)
-        d = NixlTransport(f"bench-D-{tag}", options)
+        d = NixlTransport(f"bench-D-{tag}",
+                          dataclasses.replace(options, progress_thread=d_progress == "thread"))
+        lock = threading.Lock()
+        cfg = HandoffConfig()
+        pump = (ReadProgress(d, lock, cfg.notif_poll_s, cfg.idle_poll_s).start()
+                if d_progress == "connector" else None)
+
+        def _read_once(d, peer, split):
+            return _timed_read(d, peer, split, step_s, lock, pump)
         try:
             dst = xp.zeros(payload)
             regions = [KVRegion(v.name, dst[v.offset:v.offset + v.span], v.num_blocks,
@@ -273,7 +299,7 @@ def _measure(args, device, payload, kind, d_kind, options, layouts, views, plans
                 split = ReadSplit(runs_array(order, np.arange(nb)),
                                   tuple((n, n) for n in plan["names"]))
                 _read_once(d, peer, split)  # warm-up: first-touch, connection, IPC mapping
-                reads.append({"order": order, "split": split, "times": [], "posts": [],
+                reads.append({"order": order, "split": split, "times": [], "posts": [], "polls": [],
                               "verified": True, "descs": 0, "path": "nixl"})
             xp.copy(dst, expected)  # the baseline's warm-up
             copies = []
@@ -282,11 +308,12 @@ def _measure(args, device, payload, kind, d_kind, options, layouts, views, plans
                 for plan, r in zip(plans, reads, strict=True):
                     xp.clear(dst)
                     before, ipc_before = d.descriptors_posted, d.ipc_descriptors
-                    elapsed, posting = _read_once(d, peer, r["split"])
+                    elapsed, posting, polls = _read_once(d, peer, r["split"])
                     r["descs"] = d.descriptors_posted - before
                     r["path"] = "cuda_ipc" if d.ipc_descriptors > ipc_before else "nixl"
                     r["times"].append(elapsed)
                     r["posts"].append(posting)
+                    r["polls"].append(polls)
                     r["verified"] &= xp.verify(dst, expected, [views[i] for i in plan["index"]],
                                                r["order"])
             copy_gbps = payload / statistics.median(copies) / 1e9
@@ -315,6 +342,7 @@ def _measure(args, device, payload, kind, d_kind, options, layouts, views, plans
                     "post_us_per_descriptor": round(statistics.median(r["posts"]) * 1e6 / descs,
                                                     4),
                     "read_ms_median": round(statistics.median(r["times"]) * 1e3, 3),
+                    "polls_median": statistics.median(r["polls"]),
                     "verified": bool(r["verified"]),
                     "path": r["path"],
                 } | extra)
@@ -322,6 +350,8 @@ def _measure(args, device, payload, kind, d_kind, options, layouts, views, plans
             idle_d = _idle_cpu_percent(args.idle_seconds)
             registrations_d = len(d.registrations)
         finally:
+            if pump is not None:
+                pump.close()
             d.close()
     _ucx_log_flush()  # P's UCX wrote its report when its process exited; ours is buffered
     return {
@@ -453,19 +483,29 @@ def _views(layouts, payload):
     return views, plans
 
 
-def _read_once(d, peer, split) -> tuple[float, float]:
+def _timed_read(d, peer, split, step_s: float, lock, pump) -> tuple[float, float, int]:
+    """(total s, posting s, D's polls) of one READ; D polls once per ``step_s`` (0: without
+    pause), as an engine step does."""
     t0 = time.perf_counter()
-    handle = d.post_split_read(peer, [split])
+    with lock:
+        handle = d.post_split_read(peer, [split])
     t1 = time.perf_counter()
+    if pump is not None:
+        pump.wake()
+    polls = 0
     while True:
-        done = d.poll()
+        with lock:
+            done = d.poll()
+        polls += 1
         if done:
             break
+        if step_s:
+            time.sleep(step_s)
     t2 = time.perf_counter()
     (c,) = done
     if not c.ok or c.handle != handle:
         raise RuntimeError(f"bench READ failed: {c}")
-    return t2 - t0, t1 - t0
+    return t2 - t0, t1 - t0, polls
 
 
 def src_bytes(a: Any) -> int:

@@ -558,34 +558,6 @@ class ConsumerHalf:
                 return inc
         return None
 
-    def _progress_loop(self) -> None:
-        """D without NIXL's progress thread: keep READs in flight moving between engine steps.
-
-        Each engine step progresses them (`_d_poll`), but a busy engine's step
-        can last tens of milliseconds, and a READ that takes several rounds
-        (a GET over UCX's ``tcp``, more descriptors than the NIC's queue holds)
-        would move one round per step.  This thread advances them every
-        ``notif_poll_s`` while any is in flight, and otherwise waits for the
-        engine step that posts one (`_wake_progress`, at most ``idle_poll_s``);
-        completions still reach vLLM through the engine step.
-        """
-        while not self._stop.is_set():
-            with self.lock:
-                try:
-                    self.transport.progress()
-                    busy = self.transport.reads_in_flight > 0
-                except Exception as exc:  # never let the thread die silently
-                    log.error("vllm.worker.progress_loop_error", error=str(exc),
-                              error_type=type(exc).__name__)
-                    busy = False
-            self._progress_wanted.wait(self.cfg.notif_poll_s if busy else self.cfg.idle_poll_s)
-            self._progress_wanted.clear()
-
-    def _wake_progress(self) -> None:
-        """End of a D engine step: READs in flight wake `_progress_loop` now."""
-        if self.transport.reads_in_flight:
-            self._progress_wanted.set()
-
     def _d_poll(self) -> None:
         """Collect READ completions (the caller reads the clock after this: a completion's
         time is never earlier than its receipt, or a late READ could pass for a safe one)."""

@@ -24,7 +24,7 @@ that fold:
 
 NIXL's progress thread runs on P only (transports/nixl/agent.py): D's engine
 step progresses its own READs and collects P's answers in one hop, and a
-small thread of D's (`ConsumerHalf._progress_loop`) moves READs in flight
+small thread of D's (`transports.nixl.progress.ReadProgress`) moves READs in flight
 between engine steps.  All ledger and transport calls go through one lock:
 the engine thread and P's notification thread or D's READ thread share both.  Time is ``time.monotonic()`` here, passed
 into the core.
@@ -69,6 +69,7 @@ from kvhandoff.core.planning import prefill_backoff
 from kvhandoff.core.producer import ProducerEngine
 from kvhandoff.transports.base import FenceReader, RegionMismatch, fence_region
 from kvhandoff.transports.caches import kv_regions
+from kvhandoff.transports.nixl.progress import ReadProgress
 
 log = structlog.get_logger(__name__)
 
@@ -121,10 +122,9 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self.total = kstats.empty()
         # P
         self._server: SideChannelServer | None = None
-        # P: the notification thread; D without NIXL's progress thread: the READ pump.
-        self._background: threading.Thread | None = None
+        self._notif_thread: threading.Thread | None = None  # P
+        self._read_progress: ReadProgress | None = None  # D without NIXL's progress thread
         self._stop = threading.Event()
-        self._progress_wanted = threading.Event()  # D: READs posted, see `_progress_loop`
         self._report_sending: set[str] = set()  # freed, vLLM not told yet
         self.fence: Any = None  # P: its fence slots (`core.fence`)
         # D
@@ -260,13 +260,12 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
             self._server = SideChannelServer(
                 self.cfg.side_channel_host, self.cfg.side_channel_port + self.rank,
                 self.engine_id, self.rank, self.compat, self._on_hello)
-            self._background = threading.Thread(target=self._notif_loop, daemon=True,
-                                                name="kvhandoff-notifications")
+            self._notif_thread = threading.Thread(target=self._notif_loop, daemon=True,
+                                                  name="kvhandoff-notifications")
+            self._notif_thread.start()
         elif not self.transport.options.progress_thread:
-            self._background = threading.Thread(target=self._progress_loop, daemon=True,
-                                                name="kvhandoff-read-progress")
-        if self._background is not None:
-            self._background.start()
+            self._read_progress = ReadProgress(self.transport, self.lock, self.cfg.notif_poll_s,
+                                               self.cfg.idle_poll_s).start()
 
     def _prune(self, now: float) -> None:
         """Forget finished records `to_forget` names (two leases after they ended, the
@@ -297,7 +296,8 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
                 self._stage("handshakes", self._finish_handshakes, now)
                 self._stage("plan", self._d_plan, plan, now)
                 self._stage("engine", self._d_engine, now)
-                self._wake_progress()
+                if self._read_progress is not None:
+                    self._read_progress.wake()
             self._flush_log()
 
     def finish_step(self) -> tuple[set[str], set[str], set[str]]:
@@ -327,7 +327,8 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
                     now = max(now, time.monotonic())
                     self._stage("drain", self._d_drain, now)
                     self._stage("engine", self._d_engine, now)
-                self._wake_progress()
+                if self._read_progress is not None:
+                    self._read_progress.wake()
             self._flush_log()
             sending, self._report_sending = self._report_sending, set()
             recving, self._report_recving = self._report_recving, set()
@@ -336,9 +337,10 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
 
     def close(self) -> None:
         self._stop.set()
-        self._progress_wanted.set()
-        if self._background is not None:
-            self._background.join(timeout=2)
+        if self._read_progress is not None:
+            self._read_progress.close()
+        if self._notif_thread is not None:
+            self._notif_thread.join(timeout=2)
         if self._server is not None:
             self._server.close()
         with self.lock:
