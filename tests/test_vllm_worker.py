@@ -478,8 +478,12 @@ def test_one_export_that_raises_costs_only_itself(workers, monkeypatch):
     monkeypatch.setattr(p.producer, "_record", record)
     p.start_step(StepPlan(prefill_started=["x1", "x2"]))
     p.start_step(StepPlan(exports=[Export("x1", 1, "t1"), Export("x2", 1, "t2")]))
-    p.finish_step()
+    sent, _, _ = p.finish_step()
     assert "exported" not in _kinds(p, "x1") and _kinds(p, "x2")[-1] == "exported"
+    # No lease holds x1's blocks: vLLM, which keeps them until P names them, hears of it
+    # once; x2 stays pinned under its lease.
+    assert sent == {"x1"}
+    assert "x1" not in p.finish_step()[0]
 
 
 def test_an_export_that_finds_no_fence_slot_is_counted(workers):

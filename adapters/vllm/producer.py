@@ -35,6 +35,7 @@ import structlog
 
 from kvhandoff.adapters.vllm.metadata import StepPlan
 from kvhandoff.core import messages
+from kvhandoff.core.lifecycle import PState
 from kvhandoff.core.producer import ProducerStep
 
 log = structlog.get_logger(__name__)
@@ -136,6 +137,12 @@ class ProducerHalf:
                     self._count("exports_unfenced")
             self._p_contained("plan", engine.exported, ex.request_id, now, ex.num_blocks,
                               (self.rank,), ex.token, None, slot, request_id=ex.request_id)
+            rec = engine.state.record(engine.stream, ex.request_id)
+            if rec is None or rec.state in (PState.NEW, PState.PREFILLING):
+                # The export raised before the fold took it: no lease, so nothing vouches
+                # for these blocks, and vLLM keeps them until they are named: name them now.
+                self._report_sending.add(ex.request_id)
+                log.error("vllm.worker.export_failed_freed_now", request_id=ex.request_id)
         for rid in plan.aborted:
             self._p_contained("plan", engine.aborted, rid, now, "finished on P before export",
                               request_id=rid)
