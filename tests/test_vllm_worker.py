@@ -484,6 +484,7 @@ def test_one_export_that_raises_costs_only_itself(workers, monkeypatch):
     # once; x2 stays pinned under its lease.
     assert sent == {"x1"}
     assert "x1" not in p.finish_step()[0]
+    assert p.state.record(p.stream, "x1").state.value == "FREED"  # ended: not live, answered
 
 
 def test_an_export_that_finds_no_fence_slot_is_counted(workers):

@@ -99,6 +99,11 @@ def test_the_connector_starts_the_progress_thread_on_p_only_unless_told(tmp_path
         for w in workers:
             w.register_kv_caches(_caches(), LAYOUT)
         assert [w.transport.options.progress_thread for w in workers] == [p_thread, d_thread]
+        # D without NIXL's thread moves its READs between engine steps itself; no one else.
+        p, d = workers
+        assert p._read_progress is None
+        assert (d._read_progress is not None) is (not d_thread)
+        assert d._read_progress is None or d._read_progress.is_alive()
     finally:
         for w in workers:
             w.close()
@@ -157,3 +162,79 @@ def test_p_answers_within_a_poll_period_or_so_while_the_gil_is_busy(tmp_path, mo
         d.close()
         p.close()
     assert sys.getswitchinterval() == pytest.approx(before)
+
+
+class _FakeTransport:
+    """What `ReadProgress` uses of a transport: READs in flight and `progress`."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.reads_in_flight = 0
+        self.calls = 0
+        self.called = threading.Event()
+
+    def progress(self) -> None:
+        self.calls += 1
+        self.called.set()
+
+
+def test_read_progress_advances_reads_in_flight_when_woken_and_stops_on_close():
+    import threading
+
+    from kvhandoff.transports.nixl.progress import ReadProgress
+
+    t, lock = _FakeTransport(), threading.RLock()
+    pump = ReadProgress(t, lock, busy_s=0.0005, idle_s=3600.0).start()  # idle: never by timer
+    try:
+        assert t.called.wait(5)  # its first pass
+        t.called.clear()
+        pump.wake()  # nothing in flight: a wake-up is not wanted
+        assert not t.called.wait(0.05)
+        with lock:
+            t.reads_in_flight = 1
+        pump.wake()  # the owner posted a READ
+        assert t.called.wait(5)
+        before = t.calls
+        deadline = time.monotonic() + 5
+        while t.calls < before + 10:  # every busy_s while a READ is in flight
+            assert time.monotonic() < deadline, t.calls
+            time.sleep(0.001)
+        with lock:  # the owner's lock is the transport's: held, no call goes through
+            frozen = t.calls
+            time.sleep(0.02)
+            assert t.calls == frozen
+    finally:
+        pump.close()
+    assert not pump.is_alive()
+
+
+def test_without_the_progress_thread_progress_keeps_notifications_for_recv_notifs():
+    import numpy as np
+
+    from kvhandoff.transports.base import KVRegion, MemoryKind
+    from kvhandoff.transports.nixl import NixlTransport
+
+    a = NixlTransport("inbox-a", NixlOptions(progress_thread=False))
+    b = NixlTransport("inbox-b", NixlOptions(progress_thread=False))
+    buffers = [np.zeros(4096, np.uint8) for _ in range(2)]  # registered: peers need memory
+    try:
+        for t, buf in zip((a, b), buffers, strict=True):
+            t.register([KVRegion("r0", buf, 1, 4096, MemoryKind.DRAM, 0, 0)])
+        peer_b = a.add_peer(b.metadata())
+        b.add_peer(a.metadata())
+        for i in range(3):
+            a.send_notif(peer_b, f"m{i}".encode())
+        got: list[bytes] = []
+        deadline = time.monotonic() + 10
+        while len(b._inbox) + len(got) < 3:  # progress() alone: collected, not handed out
+            assert time.monotonic() < deadline, "no notification arrived"
+            a.progress()
+            b.progress()
+        got = [n.message for n in b.recv_notifs()]
+        assert got == [b"m0", b"m1", b"m2"]
+        b.progress()
+        assert b.recv_notifs() == []  # exactly once
+    finally:
+        a.close()
+        b.close()

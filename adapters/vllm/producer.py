@@ -143,6 +143,10 @@ class ProducerHalf:
                 # for these blocks, and vLLM keeps them until they are named: name them now.
                 self._report_sending.add(ex.request_id)
                 log.error("vllm.worker.export_failed_freed_now", request_id=ex.request_id)
+                # End its record (aborted: freed by the host engine, not named again), so
+                # P does not count it live nor hold D's heartbeat for it back a lease.
+                self._p_contained("plan", engine.aborted, ex.request_id, now, "export failed",
+                                  request_id=ex.request_id)
         for rid in plan.aborted:
             self._p_contained("plan", engine.aborted, rid, now, "finished on P before export",
                               request_id=rid)

@@ -260,7 +260,10 @@ class HandoffScheduler:
                 # The release token makes the lease a capability: only an
                 # engine holding these params can extend or release it.
                 token = secrets.token_hex(16)
-                slot = self.fence.take()  # None: every slot is live, this export has no fence
+                # None: every slot is live, this export has no fence.  An id whose earlier
+                # life still holds a slot (only without vLLM's id randomization) gets none:
+                # P refuses that export, and the slot would never come back.
+                slot = None if rid in self._fence_of else self.fence.take()
                 if slot is not None:
                     self._fence_of[rid] = slot
                 self._plan.exports.append(Export(rid, sum(map(len, blocks)), token, slot))

@@ -12,6 +12,9 @@ This thread calls `NixlTransport.progress` every ``busy_s`` while a READ is in
 flight, under the owner's lock (a transport is not thread-safe), and otherwise
 every ``idle_s`` or as soon as the owner calls `wake` after posting one.
 Completions are only collected here: the owner's `poll` still returns them.
+A Python thread: while the owner's thread runs Python (not waiting on a GPU
+or a lock) this one gets the GIL once per CPython switch interval (5 ms by
+default), so that bounds its period in a Python-busy engine.
 """
 
 from __future__ import annotations

@@ -383,8 +383,13 @@ class NixlTransport:
             # Without NIXL's thread only our calls move UCX: collecting notifications
             # does (NIXL's getNotifs progresses the worker), so a message this agent
             # sent, a connection set-up or a peer's message is handled now, not at the
-            # next `recv_notifs`.  What arrived waits in the inbox for it.
-            self._inbox.extend(self._collect())
+            # next `recv_notifs`.  What arrived waits in the inbox for it.  A failure
+            # here must not keep `poll` from handing out completions: `recv_notifs`
+            # collects again and raises it to its own caller.
+            try:
+                self._inbox.extend(self._collect())
+            except Exception:
+                pass
 
     # -- notifications -------------------------------------------------------
 
