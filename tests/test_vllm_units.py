@@ -232,6 +232,30 @@ def test_prefill_side_exports_with_a_token_or_reports_an_abort():
     assert [(e.request_id, e.num_blocks, e.token) for e in plan.exports] == [("p1", 3, parsed.token)]
 
 
+def test_each_live_export_holds_one_fence_slot_given_back_when_p_freed_it():
+    from vllm.v1.request import RequestStatus
+
+    from kvhandoff.adapters.vllm.params import FENCE_SLOT_KEY
+
+    s = _sched(producer=True)
+
+    def export(rid):
+        r = _request(rid, params={"do_remote_decode": True},
+                     status=RequestStatus.FINISHED_LENGTH_CAPPED)
+        s.on_new_request(r)
+        return s.request_finished(r, ([4, 5, 6],))[1]
+
+    first, second = export("f1"), export("f2")
+    assert first[FENCE_SLOT_KEY] != second[FENCE_SLOT_KEY]
+    # The same id again while its first life holds a slot (only without vLLM's id
+    # randomization; P refuses that export): no second slot, which would never come back.
+    again = export("f1")
+    assert FENCE_SLOT_KEY not in again
+    s.update_connector_output(None, {"f1", "f2"})  # every P rank freed both
+    assert sorted(s.fence.take() for _ in range(2)) == sorted(
+        [first[FENCE_SLOT_KEY], second[FENCE_SLOT_KEY]])  # both back, none lost
+
+
 GEMMA = gemma_layout(64, 16, 4096, window=32)  # 16-token blocks, a 32-token window
 
 
