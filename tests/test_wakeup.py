@@ -173,9 +173,12 @@ class _FakeTransport:
         self.reads_in_flight = 0
         self.calls = 0
         self.called = threading.Event()
+        self.counted = threading.Condition()
 
     def progress(self) -> None:
-        self.calls += 1
+        with self.counted:
+            self.calls += 1
+            self.counted.notify_all()
         self.called.set()
 
 
@@ -196,14 +199,11 @@ def test_read_progress_advances_reads_in_flight_when_woken_and_stops_on_close():
         pump.wake()  # the owner posted a READ
         assert t.called.wait(5)
         before = t.calls
-        deadline = time.monotonic() + 5
-        while t.calls < before + 10:  # every busy_s while a READ is in flight
-            assert time.monotonic() < deadline, t.calls
-            time.sleep(0.001)
+        with t.counted:  # every busy_s while a READ is in flight
+            assert t.counted.wait_for(lambda: t.calls >= before + 10, timeout=5), t.calls
         with lock:  # the owner's lock is the transport's: held, no call goes through
-            frozen = t.calls
-            time.sleep(0.02)
-            assert t.calls == frozen
+            t.called.clear()
+            assert not t.called.wait(0.02)
     finally:
         pump.close()
     assert not pump.is_alive()

@@ -358,7 +358,8 @@ class NixlTransport:
 
     def poll(self) -> list[Completion]:
         """Completions of READs that finished since the last call, each exactly once."""
-        self.progress()
+        self._open()
+        self._advance_reads()
         out, self._settled = self._settled, []
         return out
 
@@ -376,20 +377,23 @@ class NixlTransport:
         else (a notification, a peer) calls this to keep READs moving.
         """
         self._open()
-        for pending in list(self._pending.values()):
-            if self._advance(pending):
-                self._settled.append(self._finish(pending))
+        self._advance_reads()
         if not self.options.progress_thread:
             # Without NIXL's thread only our calls move UCX: collecting notifications
             # does (NIXL's getNotifs progresses the worker), so a message this agent
             # sent, a connection set-up or a peer's message is handled now, not at the
             # next `recv_notifs`.  What arrived waits in the inbox for it.  A failure
-            # here must not keep `poll` from handing out completions: `recv_notifs`
-            # collects again and raises it to its own caller.
+            # here is left to `recv_notifs`, which collects again and raises it to its
+            # own caller.
             try:
                 self._inbox.extend(self._collect())
             except Exception:
                 pass
+
+    def _advance_reads(self) -> None:
+        for pending in list(self._pending.values()):
+            if self._advance(pending):
+                self._settled.append(self._finish(pending))
 
     # -- notifications -------------------------------------------------------
 
