@@ -6,6 +6,8 @@ import shlex
 
 import orjson
 import pytest
+import structlog
+import structlog.testing
 
 from kvhandoff.adapters.cli import main
 
@@ -79,3 +81,17 @@ def test_worker_processes_give_the_same_answer_as_one(capsys):
     _, two = simulate_json(capsys, "--scenario", "swarm", "--seeds", "0..63", "--jobs", "2")
     assert one["log_hash"] == two["log_hash"] and one["requests"] == two["requests"]
     assert (one["jobs"], two["jobs"]) == (1, 2)
+
+
+def test_the_simulated_engines_warnings_are_printed_only_when_asked(capsys):
+    """A sweep's expected faults log thousands of `producer.lease_expired` lines: they are
+    dropped unless --engine-logs, and structlog is left as it was either way."""
+    before = structlog.get_config()
+    args = ["--scenario", "lease_expiry_boundary", "--seeds", "0..1", "--jobs", "1"]
+    with structlog.testing.capture_logs() as quiet:
+        assert simulate_json(capsys, *args)[0] == 0
+    with structlog.testing.capture_logs() as loud:
+        assert simulate_json(capsys, *args, "--engine-logs")[0] == 0
+    assert not [e for e in quiet if e["log_level"] != "error"]
+    assert {"producer.lease_expired"} <= {e["event"] for e in loud}
+    assert structlog.get_config() == before

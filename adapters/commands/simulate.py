@@ -1,4 +1,4 @@
-"""`kvhandoff simulate [--scenario NAME|all|swarm] [--seeds A..B] [--policy ...] [--log-dir DIR] [--check] [--json]`.
+"""`kvhandoff simulate [--scenario NAME|all|swarm] [--seeds A..B] [--policy ...] [--log-dir DIR] [--check] [--json] [--engine-logs]`.
 
 Runs the deterministic simulator (`kvhandoff.simulations`) over a range of
 seeds and prints what it measured; with ``--check`` the exit status is 1 when
@@ -9,10 +9,14 @@ that reproduces it.  docs/simulation.md explains the scenarios and metrics.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import sys
+from collections.abc import Iterator
 
 import orjson
+import structlog
 
 from kvhandoff.simulations.config import POLICIES
 from kvhandoff.simulations.runner import sweep
@@ -65,6 +69,25 @@ def add_parser(sub) -> None:
     p.add_argument("--check", action="store_true", help="exit 1 on any violation")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    p.add_argument("--engine-logs", action="store_true",
+                   help="print the simulated engines' warnings too (a lease expired, an export "
+                        "refused: expected by the fault scenarios); errors are always printed")
+
+
+@contextlib.contextmanager
+def engine_logs(warnings: bool) -> Iterator[None]:
+    """The simulated engines log what a real engine would (`producer.lease_expired`, ...):
+    thousands of lines a sweep, all expected. Keep errors only, unless asked, and put
+    structlog's configuration back afterwards."""
+    if warnings:
+        yield
+        return
+    before = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    try:
+        yield
+    finally:
+        structlog.configure(**before)
 
 
 def run(args) -> int:
@@ -80,8 +103,9 @@ def run(args) -> int:
     if jobs <= 0:
         runs = len(args.scenario) * len(args.seeds)
         jobs = min(os.cpu_count() or 1, 8) if runs >= 64 else 1
-    summary = sweep(args.scenario, args.seeds, args.policy, log_dir=args.log_dir,
-                    jobs=jobs, replay_check=args.replay)
+    with engine_logs(args.engine_logs):
+        summary = sweep(args.scenario, args.seeds, args.policy, log_dir=args.log_dir,
+                        jobs=jobs, replay_check=args.replay)
     result = summary.as_dict()
     if args.json:
         sys.stdout.write(orjson.dumps(result).decode() + "\n")
