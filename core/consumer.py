@@ -176,6 +176,13 @@ class ConsumerEngine(LedgerEngine):
         self._periods: dict[Hashable, float] = {}  # per peer of `_due_cache`: its period
         # Per request: (read_timeout_s, `read_deadline`) until its next event changes the record.
         self._deadlines: dict[str, tuple[float, float]] = {}
+        # A poll that decided nothing, with nothing changed since (no event on the
+        # stream, no input) and its `due_at` not reached, would decide nothing again:
+        # ``poll`` returns at once then.  An event moves the stream's seq; every other
+        # input sets ``_dirty``.
+        self._dirty = True
+        self._polled: tuple[int, TimingConfig] | None = None  # (stream seq, timing) then
+        self._quiet_until = -math.inf  # that poll's `due_at`
         self._hb_rebuild()
 
     def _hb_rebuild(self) -> None:
@@ -306,6 +313,7 @@ class ConsumerEngine(LedgerEngine):
         req = self._reqs.get(rid)
         if req is None or split not in req.in_flight:
             return False
+        self._dirty = True
         req.in_flight.discard(split)
         if req.splits_failed:
             return False
@@ -337,6 +345,7 @@ class ConsumerEngine(LedgerEngine):
         """Stop acting for ``rid`` (its fold stays as it is): no heartbeat, no report, no
         release.  P frees its blocks when the lease lapses.  Only for a request whose every
         READ drained (the driver checks `in_flight`)."""
+        self._dirty = True
         self._reqs.pop(rid, None)
         self._due_cache = None
         self._reading.pop(rid, None)
@@ -353,6 +362,7 @@ class ConsumerEngine(LedgerEngine):
         anything else proves nothing, and the request asks P instead.  An answer to any
         other READ (an earlier one of a request since forgotten and admitted again) is
         ignored.  True when it proved them."""
+        self._dirty = True
         req = self._reqs.get(rid)
         rec = self._rec(rid)
         if (req is None or req.fence is None or req.fence_posted != planned_at
@@ -371,6 +381,7 @@ class ConsumerEngine(LedgerEngine):
 
     def on_notification(self, sender: Hashable, msg: Message, now: float) -> None:
         """P's answers; one from another agent than the request's peer proves nothing."""
+        self._dirty = True
         if not isinstance(msg, HeartbeatAck):
             self.counts["notifications_ignored"] += 1  # D expects nothing else from P
             return
@@ -391,6 +402,9 @@ class ConsumerEngine(LedgerEngine):
 
     def poll(self, now: float) -> ConsumerStep:
         """Fail READs past their deadline, report what is due, plan the heartbeats."""
+        if (not self._dirty and now < self._quiet_until
+                and self._polled == (self._ss.last_seq, self.timing)):
+            return ConsumerStep()  # the last poll decided nothing and nothing changed
         step = ConsumerStep()
         wake = math.inf
         awaiting: dict[Hashable, list[str]] = {}
@@ -432,6 +446,11 @@ class ConsumerEngine(LedgerEngine):
                 awaiting.setdefault(req.peer, []).append(rid)
         self._awaiting, self._deadline = awaiting, wake
         self._plan_heartbeats(now, awaiting, step)
+        # Anything decided is an input to the next poll (the driver may not carry it out).
+        self._dirty = bool(step.heartbeats or step.releases or step.finished or step.fences
+                           or step.timed_out)
+        self._polled = (self._ss.last_seq, self.timing)
+        self._quiet_until = -math.inf if self._dirty else self._next_due()
         return step
 
     def report_now(self, rid: str, now: float) -> ConsumerStep:
@@ -449,12 +468,18 @@ class ConsumerEngine(LedgerEngine):
     def due_at(self) -> float:
         """When ``poll`` has work at the latest, nothing new arriving (a READ deadline, a
         heartbeat): the driver may poll earlier (``poll`` then finds less to do)."""
+        if not self._dirty and self._polled == (self._ss.last_seq, self.timing):
+            return self._quiet_until
+        return self._next_due()
+
+    def _next_due(self) -> float:
         return min(self._deadline, next_heartbeat(self._due(), self._last_sent, self._last_asked,
                                                   self._periods, self._awaiting, self._reasked,
                                                   self._unanswered))
 
     def heartbeat_sent(self, peer: Hashable, hb: Heartbeat, now: float, urgent: bool) -> None:
         """The driver sent ``hb`` (planned by ``poll``, or fewer of its ids) to ``peer``."""
+        self._dirty = True
         self._last_asked[peer] = now
         if self._keepalive.get(peer) == hb.sent_at:  # that keep-alive, not an older ask
             del self._keepalive[peer]
@@ -550,6 +575,7 @@ class ConsumerEngine(LedgerEngine):
         self._release(rid, now, not ok, step)
 
     def _release(self, rid: str, now: float, notify_only: bool, step: ConsumerStep) -> None:
+        self._dirty = True
         req = self._reqs.get(rid)
         if self._record(ReleaseSent, rid, now, notify_only=notify_only):
             self.counts["releases_sent"] += 1

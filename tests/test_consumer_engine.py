@@ -471,3 +471,30 @@ def test_an_unanswered_keep_alive_asks_nothing_about_requests_admitted_since(eng
     engine.cancel("r1", 0.1)  # r1 leaves (released notify-only before any READ)
     _fenced(engine, "r2", t=0.2)
     assert _beat(engine, 0.5).heartbeats == []  # r2 came after the keep-alive: no empty ask
+
+
+def test_a_heartbeat_the_driver_did_not_send_is_planned_again_at_the_next_poll(engine):
+    """A poll that decided something is followed by a full one: what the driver could not
+    carry out (a send that failed) is decided again, not forgotten until ``due_at``."""
+    _reading(engine)
+    _beat(engine, 0.0)
+    engine.on_notification(P_AGENT, _ack(0.0, 0.3), 0.0)  # answered; proves nothing past 0.3
+    engine.split_done("r1", 0, 0.5)  # drained, unproven: ask P at once
+    for t in (0.6, 0.7):
+        assert [(hb.request_ids, urgent) for _, hb, urgent in engine.poll(t).heartbeats] == [
+            (("r1",), True)]
+
+
+def test_a_poll_with_nothing_new_before_due_at_decides_nothing_and_changes_nothing(engine):
+    """Between inputs, polling earlier than ``due_at`` is free: no effect, no event, and
+    the next input is heard (an acknowledgement moves the request on at once)."""
+    _reading(engine)
+    engine.split_done("r1", 0, 0.2)
+    step = _beat(engine, 0.3)  # drained, unproven: asks P at once
+    assert step.heartbeats and not step.finished
+    due, events = engine.due_at, len(engine.log)
+    for t in (0.31, 0.4, due - 0.01):
+        assert engine.poll(t) == engine.poll(t).__class__()
+    assert len(engine.log) == events and engine.due_at == due
+    engine.on_notification(P_AGENT, _ack(0.3, 11.0), 0.41)
+    assert [f.request_id for f in engine.poll(0.42).finished] == ["r1"]
