@@ -174,8 +174,12 @@ class ConsumerEngine(LedgerEngine):
         self._hb_seq = self._ss.last_seq
         self._due_cache: dict[Hashable, list[str]] | None = None  # `_due` until _hb/_reqs change
         self._periods: dict[Hashable, float] = {}  # per peer of `_due_cache`: its period
-        # Per request: (read_timeout_s, `read_deadline`) until its next event changes the record.
-        self._deadlines: dict[str, tuple[float, float]] = {}
+        # Per request READs are posted for, what `poll` found when it decided nothing for
+        # it: (its wake-up time, the peer it waits for P's word from or None, valid
+        # until), kept until the request's next event or input (or the time it names).
+        self._settled: dict[str, tuple[float, Hashable | None, float]] = {}
+        self._settled_timing = timing
+        self._vouched: dict[str, float] = {}  # per request: `last_vouched`, until its next event
         # A poll that decided nothing, with nothing changed since (no event on the
         # stream, no input) and its `due_at` not reached, would decide nothing again:
         # ``poll`` returns at once then.  An event moves the stream's seq; every other
@@ -190,7 +194,8 @@ class ConsumerEngine(LedgerEngine):
                     if rec.state in HEARTBEAT_STATES}
         self._hb_seq = self._ss.last_seq
         self._due_cache = None
-        self._deadlines.clear()
+        self._settled.clear()
+        self._vouched.clear()
 
     def _record(self, event_type: type[Event], rid: str, t: float, **fields) -> bool:
         try:  # `LedgerEngine._record`, inlined: this runs for every event D writes
@@ -201,7 +206,8 @@ class ConsumerEngine(LedgerEngine):
         if self._ss.last_seq != self._hb_seq + 1:  # not ours alone: rescan when needed
             return True
         self._hb_seq += 1
-        self._deadlines.pop(rid, None)
+        self._settled.pop(rid, None)
+        self._vouched.pop(rid, None)
         rec = self._records.get(rid)
         if rec is not None and rec.state in HEARTBEAT_STATES:
             if rid not in self._hb:  # entered (admitted): last in the fold's order too
@@ -314,6 +320,7 @@ class ConsumerEngine(LedgerEngine):
         if req is None or split not in req.in_flight:
             return False
         self._dirty = True
+        self._settled.pop(rid, None)
         req.in_flight.discard(split)
         if req.splits_failed:
             return False
@@ -363,6 +370,7 @@ class ConsumerEngine(LedgerEngine):
         other READ (an earlier one of a request since forgotten and admitted again) is
         ignored.  True when it proved them."""
         self._dirty = True
+        self._settled.pop(rid, None)
         req = self._reqs.get(rid)
         rec = self._rec(rid)
         if (req is None or req.fence is None or req.fence_posted != planned_at
@@ -406,44 +414,22 @@ class ConsumerEngine(LedgerEngine):
                 and self._polled == (self._ss.last_seq, self.timing)):
             return ConsumerStep()  # the last poll decided nothing and nothing changed
         step = ConsumerStep()
+        if self._ss.last_seq != self._hb_seq or self.timing is not self._settled_timing:
+            self._hb_rebuild()  # another writer moved the stream, or the timing changed
+            self._settled_timing = self.timing
         wake = math.inf
         awaiting: dict[Hashable, list[str]] = {}
-        records, reqs, deadlines = self._records, self._reqs, self._deadlines
-        timeout_s = self.timing.read_timeout_s
+        settled = self._settled
         for rid in list(self._reading):
-            rec, req = records.get(rid), reqs[rid]
-            if not isinstance(rec, ConsumerRecord) or rec.state not in READING_STATES:
-                del self._reading[rid]
-                continue
-            cached = deadlines.get(rid)
-            if cached is not None and cached[0] == timeout_s and self._hb_seq == self._ss.last_seq:
-                deadline = cached[1]
-            else:
-                deadline = read_deadline(rec, timeout_s)
-                deadlines[rid] = (timeout_s, deadline)
-            if req.in_flight and not req.splits_failed:
-                if now > deadline:
-                    waited = now - rec.posted_at
-                    self._fail_open_splits(rid, rec, req, now,
-                                           f"read timeout after {waited:.1f}s (read_timeout_s "
-                                           f"{self.timing.read_timeout_s}, lease_s {rec.lease_s} "
-                                           f"without word from P)")
-                    step.timed_out.append(rid)
-                else:
-                    wake = min(wake, deadline)
-            if req.in_flight:
-                continue  # a failed READ still moving bytes owns D's pages: wait for it
-            if report_due(rec, now, self.timing):
-                self._finish(rid, rec, now, step)
-            elif rec.drained:  # the bytes are here and wait only for P's word
-                wake = min(wake, deadline)
-                if (req.fence is not None and req.fence_posted is None
-                        and req.fence_reads < FENCE_READS and len(set(rec.split_ranks)) == 1):
-                    req.fence_posted = now  # read P's fence (at first, rather than ask P)
-                    step.fences.append((rid, req.peer, rec.split_ranks[0], req.fence[0], now))
-                if req.fence is not None and req.fence_reads == 0 and req.fence_posted is not None:
-                    continue  # its first fence READ is in flight: no need to ask P yet
-                awaiting.setdefault(req.peer, []).append(rid)
+            found = settled.get(rid)
+            if found is None or now > found[2]:
+                found = self._settle(rid, now, step)
+                if found is None:
+                    continue  # it acted (or left): nothing to add
+            if found[0] < wake:
+                wake = found[0]
+            if found[1] is not None:
+                awaiting.setdefault(found[1], []).append(rid)
         self._awaiting, self._deadline = awaiting, wake
         self._plan_heartbeats(now, awaiting, step)
         # Anything decided is an input to the next poll (the driver may not carry it out).
@@ -452,6 +438,49 @@ class ConsumerEngine(LedgerEngine):
         self._polled = (self._ss.last_seq, self.timing)
         self._quiet_until = -math.inf if self._dirty else self._next_due()
         return step
+
+    def _settle(self, rid: str, now: float, step: ConsumerStep
+                ) -> tuple[float, Hashable | None, float] | None:
+        """``poll``'s decision for one request with READs posted: fail READs past their
+        deadline, report it when due, read P's fence.  Returns None when it acted (or the
+        request is no longer reading), else (wake-up time, the peer whose word it awaits or
+        None, valid until), also kept in ``_settled`` for the next polls."""
+        rec, req = self._records.get(rid), self._reqs[rid]
+        if not isinstance(rec, ConsumerRecord) or rec.state not in READING_STATES:
+            del self._reading[rid]
+            return None
+        deadline = read_deadline(rec, self.timing.read_timeout_s)
+        wake = math.inf
+        if req.in_flight and not req.splits_failed:
+            if now > deadline:
+                waited = now - rec.posted_at
+                self._fail_open_splits(rid, rec, req, now,
+                                       f"read timeout after {waited:.1f}s (read_timeout_s "
+                                       f"{self.timing.read_timeout_s}, lease_s {rec.lease_s} "
+                                       f"without word from P)")
+                step.timed_out.append(rid)
+                return None
+            wake = deadline
+        peer = None
+        if not req.in_flight:  # (a failed READ still moving bytes owns D's pages: wait)
+            if report_due(rec, now, self.timing):
+                self._finish(rid, rec, now, step)
+                return None
+            if rec.drained:  # the bytes are here and wait only for P's word
+                wake = min(wake, deadline)
+                posted = (req.fence is not None and req.fence_posted is None
+                          and req.fence_reads < FENCE_READS and len(set(rec.split_ranks)) == 1)
+                if posted:
+                    req.fence_posted = now  # read P's fence (at first, rather than ask P)
+                    step.fences.append((rid, req.peer, rec.split_ranks[0], req.fence[0], now))
+                if not (req.fence is not None and req.fence_reads == 0
+                        and req.fence_posted is not None):
+                    peer = req.peer  # (not while its first fence READ is in flight)
+                if posted:
+                    return (wake, peer, -math.inf)  # it acted: look again at the next poll
+        found = (wake, peer, deadline)  # each time rule above turns at `now > deadline`
+        self._settled[rid] = found
+        return found
 
     def report_now(self, rid: str, now: float) -> ConsumerStep:
         """Report a request whose READs drained without waiting for P's word: what vLLM 0.32
@@ -516,11 +545,9 @@ class ConsumerEngine(LedgerEngine):
         if not self._unanswered.keys() <= due.keys():  # nothing due there: nothing to ask
             self._unanswered = {p: t for p, t in self._unanswered.items() if p in due}
         self._keepalive.clear()
-        records = self._records
         for peer, rids, urgent, keepalive in heartbeat_plan(
                 self._due(), now, self._last_sent, self._last_asked, self._periods, self._fresh,
-                awaiting, self._reasked, lambda rid: last_vouched(records[rid]),
-                self._unanswered):
+                awaiting, self._reasked, self._last_vouched, self._unanswered):
             if keepalive:
                 self._keepalive[peer] = now
             ordered = tuple(sorted(rids))
@@ -552,6 +579,12 @@ class ConsumerEngine(LedgerEngine):
         self._periods = {peer: heartbeat_period(interval, map(self._lease_of, rids))
                          for peer, rids in due.items()}
         return due
+
+    def _last_vouched(self, rid: str) -> float:
+        vouched = self._vouched.get(rid)
+        if vouched is None:
+            vouched = self._vouched[rid] = last_vouched(self._records[rid])
+        return vouched
 
     def _lease_of(self, rid: str) -> float:
         return self._records[rid].lease_s
