@@ -546,7 +546,7 @@ class ConsumerEngine(LedgerEngine):
             self._unanswered = {p: t for p, t in self._unanswered.items() if p in due}
         self._keepalive.clear()
         for peer, rids, urgent, keepalive in heartbeat_plan(
-                self._due(), now, self._last_sent, self._last_asked, self._periods, self._fresh,
+                due, now, self._last_sent, self._last_asked, self._periods, self._fresh,
                 awaiting, self._reasked, self._last_vouched, self._unanswered):
             if keepalive:
                 self._keepalive[peer] = now
