@@ -156,10 +156,16 @@ class DecodeEngine:
 
     def _step(self) -> bool:
         now = self.clock.now
-        for d, agent in enumerate(self.agents):
-            for n in agent.recv_notifs():
-                self._on_notification(d, n.peer, n.message, now)
-        for d, agent in enumerate(self.agents):
+        agents = self.agents
+        # Most steps find no notification or completion on most ranks: skip the
+        # calls then (a crashed agent still goes through them, and raises).
+        for d, agent in enumerate(agents):
+            if agent._notifs or agent._crashed:
+                for n in agent.recv_notifs():
+                    self._on_notification(d, n.peer, n.message, now)
+        for d, agent in enumerate(agents):
+            if not (agent._completions or agent._crashed):
+                continue
             for c in agent.poll():
                 fence = self.fence_readers[d].landed(c) if self.fences else None
                 if fence is not None:
@@ -171,20 +177,38 @@ class DecodeEngine:
                     self.reading[rid].failed_ranks.add(d)
                 if self.layouts is not None:
                     self._group_read_landed(rid, d)
-        for req in self.cancels:
-            self._cancel(req, now)
-        self.cancels.clear()
-        for req, params in self.inbox:
-            self._admit(req, params, now)
-        self.inbox.clear()
-        self._post_reads(now)
+        if self.cancels:
+            for req in self.cancels:
+                self._cancel(req, now)
+            self.cancels.clear()
+        if self.inbox:
+            for req, params in self.inbox:
+                self._admit(req, params, now)
+            self.inbox.clear()
+        if self.waiting:
+            self._post_reads(now)
         free_before = self.pool.free_blocks
-        for d, engine in enumerate(self.engines):
-            self._carry_out(d, engine.poll(now), now)
-            if not self.policy.acknowledges:  # vLLM 0.32 serves what drained, unproven
-                for rid in list(self.reading):
-                    self._carry_out(d, engine.report_now(rid, now), now)
-        due = min(engine.due_at for engine in self.engines)
+        engines = self.engines
+        # vLLM 0.32 serves what drained, unproven
+        report_now = not self.policy.acknowledges and bool(self.reading)
+        if report_now:
+            # (rank, request) with a READ still in flight: ``report_now`` reports only what
+            # drained, and a rank reports a request once, so asking for those, or for one
+            # the rank reported already, decides nothing.
+            busy = {(d, rid) for (d, _), (rid, _) in self.handles.items()}
+        for d, engine in enumerate(engines):
+            step = engine.poll(now)
+            if step.heartbeats or step.releases or step.finished or step.fences:
+                self._carry_out(d, step, now)  # most polls decide nothing
+            if report_now:
+                for rid, imp in list(self.reading.items()):
+                    if d not in imp.finished and (d, rid) not in busy:
+                        self._carry_out(d, engine.report_now(rid, now), now)
+        due = math.inf
+        for engine in engines:
+            at = engine.due_at
+            if at < due:
+                due = at
         if due < math.inf:
             self.loop.wake_at(max(due, now + self.cfg.d_step_s))
         # Pages freed by drained imports may let waiting ones post: step again.

@@ -41,7 +41,9 @@ class EngineLoop:
         if self._in_step:
             self._woken = True
             return
-        t = max(self.clock.now, self.free_at)
+        now, t = self.clock.now, self.free_at
+        if t < now:  # max(now, free_at)
+            t = now
         if t < self.next_step and not self.dead:
             self.next_step = t
             self.clock.call_at(t, self._step, t)

@@ -345,12 +345,14 @@ class World:
 
     def run(self, on_step: Callable[[World], None] | None = None) -> RunResult:
         clock, horizon = self.clock, self.horizon
-        queue, step = clock._queue, clock.step
-        steps = 0
-        while queue and queue[0][0] <= horizon and steps < MAX_CLOCK_STEPS:
-            step()
-            steps += 1
-            if on_step is not None:
+        if on_step is None:
+            clock.run_through(horizon, MAX_CLOCK_STEPS)
+        else:
+            queue, step = clock._queue, clock.step
+            steps = 0
+            while queue and queue[0][0] <= horizon and steps < MAX_CLOCK_STEPS:
+                step()
+                steps += 1
                 on_step(self)
         self.net.heal_all()
         return self.result()

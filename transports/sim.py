@@ -122,6 +122,19 @@ class SimClock:
         fn(*args)
         return True
 
+    def run_through(self, horizon: float, max_steps: int) -> int:
+        """Run callbacks due at or before ``horizon``, at most ``max_steps`` of them (the
+        loop of `step`, inlined); returns how many ran."""
+        queue, pop = self._queue, heapq.heappop
+        steps = 0
+        while queue and queue[0][0] <= horizon and steps < max_steps:
+            t, _, fn, args = pop(queue)
+            self.now = t
+            self.steps += 1
+            fn(*args)
+            steps += 1
+        return steps
+
     def run_until(self, t: float) -> None:
         """Run every callback due at or before ``t``, then set the time to ``t``."""
         queue = self._queue
@@ -328,33 +341,40 @@ class SimNetwork:
     def _post(self, dst: SimTransport, peer: str, splits: Sequence[ReadSplit],
               notif: bytes | None, handle: int) -> None:
         now = self.clock.now
-        src = self.agents[peer]
+        local_regions = dst._regions
+        remote_regions = self.agents[peer]._remote_regions_of(dst)  # dst's view of peer's
         src_blocks: list[int] = []
         dst_blocks: list[int] = []
         nbytes = 0
         for split in splits:
-            if not split.runs or not split.regions:
+            runs, pairs = split.runs, split.regions
+            if not runs or not pairs:
                 raise InvalidRead("a READ split needs block runs and regions")
-            for remote_name, local_name in split.regions:
-                local = dst._regions.get(local_name)
-                remote = src._remote_regions_of(dst, remote_name)
+            fence = False
+            for remote_name, local_name in pairs:
+                local = local_regions.get(local_name)
+                remote = remote_regions.get(remote_name)
                 if local is None or remote is None:
                     raise RegionMismatch(f"region {remote_name!r} -> {local_name!r} is not "
                                          f"registered on both {peer} and {dst.name}")
-                if local.shape[1] != remote[1]:
+                local_blocks, block_bytes = local.shape
+                remote_blocks = remote[0]
+                if block_bytes != remote[1]:
                     raise RegionMismatch(f"region {remote_name!r} -> {local_name!r}: block_bytes "
-                                         f"{remote[1]} on {peer}, {local.shape[1]} here")
-                for run in split.runs:
-                    if (run.count <= 0 or run.remote_start < 0 or run.local_start < 0
-                            or run.remote_start + run.count > remote[0]
-                            or run.local_start + run.count > local.shape[0]):
+                                         f"{remote[1]} on {peer}, {block_bytes} here")
+                for run in runs:
+                    count, remote_start, local_start = run.count, run.remote_start, run.local_start
+                    if (count <= 0 or remote_start < 0 or local_start < 0
+                            or remote_start + count > remote_blocks
+                            or local_start + count > local_blocks):
                         raise InvalidRead(f"run {run} outside region {remote_name!r} -> "
-                                          f"{local_name!r} ({remote[0]} remote, "
-                                          f"{local.shape[0]} local blocks)")
-                    nbytes += run.count * local.shape[1]
-            if any(FENCE_REGION in pair for pair in split.regions):
+                                          f"{local_name!r} ({remote_blocks} remote, "
+                                          f"{local_blocks} local blocks)")
+                    nbytes += count * block_bytes
+                fence = fence or remote_name == FENCE_REGION or local_name == FENCE_REGION
+            if fence:
                 continue  # fence slots are no KV blocks: "freed under read" counts blocks
-            for run in split.runs:
+            for run in runs:
                 src_blocks.extend(range(run.remote_start, run.remote_start + run.count))
                 dst_blocks.extend(range(run.local_start, run.local_start + run.count))
         self._read_key += 1
@@ -603,9 +623,9 @@ class SimTransport:
 
     # -- simulation extras ----------------------------------------------------
 
-    def _remote_regions_of(self, reader: SimTransport, name: str) -> tuple[int, int] | None:
-        # The reader's view of this agent's region (what the metadata said).
-        return reader._peers.get(self.name, {}).get(name)
+    def _remote_regions_of(self, reader: SimTransport) -> dict[str, tuple[int, int]]:
+        # The reader's view of this agent's regions (what the metadata said).
+        return reader._peers.get(self.name, {})
 
     def blocks(self, region: str) -> np.ndarray:
         """The (num_blocks, block_bytes) rows of a registered region (shared memory)."""
@@ -688,9 +708,10 @@ class SimBlockPool:
                     net.stats.freed_under_read += 1
                 else:
                     net.stats.overwritten_under_read += 1
+            index = np.array(live, dtype=np.intp)  # converted once, for every region
             for name, rows in agent._regions.items():
                 if name != FENCE_REGION:  # fence slots are P's, written by its engine
-                    rows[live] = POISON
+                    rows[index] = POISON
         holders, free = self._holders, self._free
         for b in live:
             held[b] = 0
