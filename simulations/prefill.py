@@ -12,6 +12,7 @@ sender, whether it answers heartbeats, the lease it exports.
 
 from __future__ import annotations
 
+import math
 import random
 from collections import deque
 from collections.abc import Callable
@@ -145,8 +146,9 @@ class PrefillEngine:
         now = self.clock.now
         cfg = self.cfg
         for rank, agent in enumerate(self.agents):
-            for n in agent.recv_notifs():
-                self._on_notification(rank, n.peer, n.message, now)
+            if agent._notifs or agent._crashed:  # most steps find none (a crashed agent raises)
+                for n in agent.recv_notifs():
+                    self._on_notification(rank, n.peer, n.message, now)
         for rid in self.aborts:
             self.prefilling.pop(rid, None)
             self.prefilled = [r for r in self.prefilled if r.rid != rid]
@@ -190,8 +192,12 @@ class PrefillEngine:
                 engine.prefill_started(req.rid, now)
             self.prefilling[req.rid] = req
             self.clock.call_at(now + cfg.prefill_s_per_block * len(ids), self._prefill_done, req)
-        due = min(engine.due_at for engine in self.engines)  # a lease may run out then
-        if due < float("inf"):
+        due = math.inf  # the first lease that may run out
+        for engine in self.engines:
+            at = engine.due_at
+            if at < due:
+                due = at
+        if due < math.inf:
             self.loop.wake_at(due)
         return bool(freed and self.queue)
 

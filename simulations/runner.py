@@ -147,7 +147,9 @@ def sweep(scenarios: Iterable[str], seeds: range, policy: str = "kvhandoff",
         ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
                                           else "spawn")
         with ctx.Pool(jobs) as pool:
-            results = pool.imap(_run_task, tasks, chunksize=max(1, min(64, len(tasks) // (jobs * 8))))
+            # Small chunks: a run lasts milliseconds, and a large last chunk leaves the
+            # other workers idle at the end of the sweep.
+            results = pool.imap(_run_task, tasks, chunksize=max(1, min(8, len(tasks) // (jobs * 8))))
             _collect(summary, results)
     else:
         _collect(summary, map(_run_task, tasks))

@@ -59,6 +59,11 @@ def _line_sink(lines: list[bytes]) -> Callable:
     return sink
 
 
+def _log_bytes(lines: list[bytes]) -> bytes:
+    """The JSONL file of ``lines``: each line ends with a newline."""
+    return b"\n".join(lines) + b"\n" if lines else b""
+
+
 @dataclass
 class RunResult:
     scenario: str
@@ -377,8 +382,9 @@ class World:
             streams.extend(d.state.streams.values())
         for ss in streams:
             ignored += sum(ss.ignored.values())
-            expiries += sum(1 for rec in ss.requests.values()
-                            if getattr(rec, "ended", "") == "expired")
+            for rec in ss.requests.values():
+                if getattr(rec, "ended", "") == "expired":
+                    expiries += 1
         metrics = {
             "requests": cfg.requests,
             "served": counts.get("served", 0),
@@ -399,8 +405,7 @@ class World:
             "refused_events": (sum(e.counts["refused_events"] for e in p.engines)
                                + sum(d.refused_events for d in decoders)),
         }
-        p_log = b"".join(line + b"\n" for line in self.p_lines)
-        d_log = b"".join(line + b"\n" for line in self.d_lines)
+        p_log, d_log = _log_bytes(self.p_lines), _log_bytes(self.d_lines)
         h = hashlib.blake2b(digest_size=16)
         h.update(p_log)
         h.update(b"\x00")
