@@ -74,6 +74,8 @@ class Import:
     group_pages: list[int] = field(default_factory=list)
     reads: list[tuple[int, GroupRead]] = field(default_factory=list)  # (D rank, read)
     rank_open: dict[int, int] = field(default_factory=dict)  # D rank -> READs in flight
+    # D rank -> READs posted whose completion the driver has not seen yet (`handles`)
+    unlanded: dict[int, int] = field(default_factory=dict)
     finished: dict[int, Finished] = field(default_factory=dict)  # D rank -> its report
     unproven: bool = False  # a rank reported ok what P's answers by then did not prove
 
@@ -173,6 +175,9 @@ class DecodeEngine:
                     continue
                 rid, split = self.handles.pop((d, c.handle))
                 self.engines[d].split_done(rid, split, now, c.ok, c.reason)
+                imp = self.reading.get(rid)
+                if imp is not None:
+                    imp.unlanded[d] -= 1
                 if not c.ok:
                     self.reading[rid].failed_ranks.add(d)
                 if self.layouts is not None:
@@ -191,18 +196,16 @@ class DecodeEngine:
         engines = self.engines
         # vLLM 0.32 serves what drained, unproven
         report_now = not self.policy.acknowledges and bool(self.reading)
-        if report_now:
-            # (rank, request) with a READ still in flight: ``report_now`` reports only what
-            # drained, and a rank reports a request once, so asking for those, or for one
-            # the rank reported already, decides nothing.
-            busy = {(d, rid) for (d, _), (rid, _) in self.handles.items()}
         for d, engine in enumerate(engines):
             step = engine.poll(now)
             if step.heartbeats or step.releases or step.finished or step.fences:
                 self._carry_out(d, step, now)  # most polls decide nothing
             if report_now:
+                # ``report_now`` reports only what drained, and a rank reports a request
+                # once: asking while a READ of the rank is in flight, or after it reported,
+                # decides nothing.
                 for rid, imp in list(self.reading.items()):
-                    if d not in imp.finished and (d, rid) not in busy:
+                    if d not in imp.finished and not imp.unlanded.get(d):
                         self._carry_out(d, engine.report_now(rid, now), now)
         due = math.inf
         for engine in engines:
@@ -405,6 +408,7 @@ class DecodeEngine:
         else:
             self.handles[(d, handle)] = (rid, split)
             imp.rank_open[d] = imp.rank_open.get(d, 0) + 1
+            imp.unlanded[d] = imp.unlanded.get(d, 0) + 1
 
     def _post_group_reads(self, rid: str, imp: Import, local: list[int], now: float) -> None:
         """One READ per (D rank, group that needs a read), as `plan_group_reads` plans it
