@@ -345,11 +345,13 @@ class SimNetwork:
         remote_regions = self.agents[peer]._remote_regions_of(dst)  # dst's view of peer's
         src_blocks: list[int] = []
         dst_blocks: list[int] = []
+        parts = []
         nbytes = 0
         for split in splits:
             runs, pairs = split.runs, split.regions
             if not runs or not pairs:
                 raise InvalidRead("a READ split needs block runs and regions")
+            parts.append((tuple(runs), pairs))
             fence = False
             for remote_name, local_name in pairs:
                 local = local_regions.get(local_name)
@@ -378,8 +380,7 @@ class SimNetwork:
                 src_blocks.extend(range(run.remote_start, run.remote_start + run.count))
                 dst_blocks.extend(range(run.local_start, run.local_start + run.count))
         self._read_key += 1
-        rec = _Read(self._read_key, dst.name, peer, handle,
-                    tuple((tuple(split.runs), split.regions) for split in splits), notif, now,
+        rec = _Read(self._read_key, dst.name, peer, handle, tuple(parts), notif, now,
                     tuple(src_blocks), tuple(dst_blocks))
         self.stats.reads_posted += 1
         if peer in self._dead:  # a post to a dead peer fails at once ("failed post")
@@ -701,8 +702,8 @@ class SimBlockPool:
             return doubles
         if not agent._crashed:
             refs = (net._src_refs if self.source else net._dst_refs)[agent.name]
-            hits = refs and sum(1 for b in live if refs.get(b))
-            if hits:
+            # (``refs`` holds only blocks with a READ in flight: counts are never 0)
+            if refs and not refs.keys().isdisjoint(live):
                 # Counted once per free that hit a READ in flight, whatever its size.
                 if self.source:
                     net.stats.freed_under_read += 1
