@@ -44,12 +44,19 @@ def _encoder(kind: str):
 
     Generated once per type (as `_builder` below): the same dict, built in one
     expression instead of a loop of ``getattr``, so the bytes are the same.
+
+    The line is returned as a copy (``b"%b" % line``): orjson hands back a
+    bytes object allocated at 4 KiB by the system allocator and shrunk in
+    place, so every line a caller keeps (the simulator keeps a run's log in
+    memory) pins a fragment of the C heap; the copy is a small object of
+    Python's own allocator.  Keeping orjson's line costs several times the copy.
     """
     own = "".join(f", {name!r}: e.{name}" for name in _OWN_FIELDS[kind])
     source = (f"def encode(e):\n"
               f"    s = e.stream\n"
-              f"    return dumps({{'v': {SCHEMA_VERSION}, 'type': {kind!r}, 'rid': e.request_id, "
-              f"'engine': s[0], 'side': s[1], 'rank': s[2], 'seq': e.seq, 't': e.t{own}}})")
+              f"    return b'%b' % dumps({{'v': {SCHEMA_VERSION}, 'type': {kind!r}, "
+              f"'rid': e.request_id, 'engine': s[0], 'side': s[1], 'rank': s[2], "
+              f"'seq': e.seq, 't': e.t{own}}})")
     namespace: dict = {"dumps": orjson.dumps}
     exec(source, namespace)
     return namespace["encode"]
