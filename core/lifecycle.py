@@ -494,6 +494,9 @@ class Handler:
 
     prepare: Callable | None
     choices: tuple[tuple[Callable | None, StrEnum], ...]
+    # The destination when there is one choice and it has no guard (most entries): the fold
+    # takes it without the loop over ``choices``; None otherwise.
+    only: StrEnum | None = None
 
 
 def compile_table(side: Side) -> dict[tuple[str, str], Handler]:
@@ -513,8 +516,9 @@ def compile_table(side: Side) -> dict[tuple[str, str], Handler]:
                  states(t.dest if t.dest is not None else source))
                 for t in transitions
             )
+            only = choices[0][1] if len(choices) == 1 and choices[0][0] is None else None
             table[(states(source), trigger)] = Handler(
-                functions[prepare[0]] if prepare else None, choices)
+                functions[prepare[0]] if prepare else None, choices, only)
     return table
 
 
@@ -533,17 +537,20 @@ def apply(state: LifecycleState, event: Event) -> LifecycleState:
         ss = state.stream(stream)
     if event.seq != ss.last_seq + 1:
         raise SequenceError(str(stream), ss.last_seq + 1, event.seq)
-    rec = ss.requests.get(event.request_id)
+    rid = event.request_id
+    requests = ss.requests
+    rec = requests.get(rid)
     current = rec.state if rec is not None else ss.new
     handler = ss.table.get((current, event.kind))
     if handler is None:
-        raise InvalidTransition(current, event.kind, event.request_id)
+        raise InvalidTransition(current, event.kind, rid)
     try:
         # Check every guard before the prepare step mutates, on a dry run
         # where one is needed; prepare steps themselves validate first.
-        new_rec = rec if handler.prepare is None else handler.prepare(ss, rec, event)
-        dest = None
-        if new_rec is not None:
+        prepare = handler.prepare
+        new_rec = rec if prepare is None else prepare(ss, rec, event)
+        dest = handler.only
+        if dest is None and new_rec is not None:
             for guard, target in handler.choices:
                 if guard is None or guard(new_rec, event):
                     dest = target
@@ -551,18 +558,19 @@ def apply(state: LifecycleState, event: Event) -> LifecycleState:
             else:
                 raise _Refused("no guard holds")
     except _Refused as refused:
-        raise InvalidTransition(current, event.kind, event.request_id, str(refused)) from None
+        raise InvalidTransition(current, event.kind, rid, str(refused)) from None
     ss.last_seq = event.seq
     state.events += 1
     if new_rec is None:  # ignored notification: counted by the prepare step
         return state
     if dest is ss.new:  # forgotten: the request is unknown again
-        del ss.requests[event.request_id]
+        del requests[rid]
         return state
     new_rec.state = dest
     if dest in TERMINAL:
         new_rec.t_end = event.t
-    ss.requests[event.request_id] = new_rec
+    if rec is not new_rec:
+        requests[rid] = new_rec
     return state
 
 
