@@ -23,12 +23,16 @@ log = structlog.get_logger(__name__)
 
 
 def _maker(cls: type[Event]) -> Callable[..., Event]:
-    """``make(request_id, stream, seq, t, **fields)``: the event ``cls(...)`` builds, without
-    the frozen dataclass's ``__init__`` (one ``object.__setattr__`` per field); the slots
-    are set through their descriptors, each field's default as the dataclass declares it.
+    """``make(request_id, stream, seq, t, own)``: the event ``cls(request_id, stream, seq, t,
+    **own)`` builds, without the frozen dataclass's ``__init__`` (one ``object.__setattr__``
+    per field); the slots are set through their descriptors, each field's default as the
+    dataclass declares it.  ``own``, the event's own fields, is the dict the caller's keyword
+    arguments were collected in: read in place, not unpacked into one more call.  A key the
+    event does not have, or a required field missing, goes to the keyword form, which
+    raises the `TypeError` a call with those keywords raises.
     Generated once per type (as `core.log` builds decoded events)."""
     namespace: dict = {"new": object.__new__, "cls": cls}
-    params, body = [], ["    e = new(cls)"]
+    params, sets, own_sets, own, required = [], [], [], [], []
     for i, f in enumerate(fields(cls)):
         if f.default is MISSING:
             params.append(f.name)
@@ -36,9 +40,21 @@ def _maker(cls: type[Event]) -> Callable[..., Event]:
             namespace[f"d{i}"] = f.default
             params.append(f"{f.name}=d{i}")
         namespace[f"set{i}"] = getattr(cls, f.name).__set__
-        body.append(f"    set{i}(e, {f.name})")
-    exec(f"def make({', '.join(params)}):\n" + "\n".join(body) + "\n    return e", namespace)
-    return namespace["make"]
+        sets.append(f"    set{i}(e, {f.name})\n")
+        if i >= 4:  # after request_id, stream, seq, t: the event's own fields
+            own.append(f.name)
+            if f.default is MISSING:
+                required.append(f.name)
+            own_sets.append(f"    set{i}(e, own[{f.name!r}])\n" if f.default is MISSING
+                            else f"    set{i}(e, own.get({f.name!r}, d{i}))\n")
+    namespace["own_names"] = frozenset(own)
+    check = "not own.keys() <= own_names" + "".join(f" or {n!r} not in own" for n in required)
+    exec(f"def make({', '.join(params)}):\n    e = new(cls)\n{''.join(sets)}    return e\n"
+         "def make_from(request_id, stream, seq, t, own):\n"
+         f"    if {check}:\n"
+         "        return make(request_id, stream, seq, t, **own)\n"
+         f"    e = new(cls)\n{''.join(sets[:4])}{''.join(own_sets)}    return e\n", namespace)
+    return namespace["make_from"]
 
 
 _MAKERS: dict[type[Event], Callable[..., Event]] = {cls: _maker(cls)
@@ -57,8 +73,16 @@ class Ledger:
 
     def record(self, event_type: type[Event], request_id: str, t: float, **fields) -> Event:
         """Build, fold and log one event; raises `InvalidTransition` and logs nothing if refused."""
-        make = _MAKERS.get(event_type, event_type)  # another Event subclass: its own __init__
-        event = make(request_id, self.stream, self._seq, t, **fields)
+        return self.record_fields(event_type, request_id, t, fields)
+
+    def record_fields(self, event_type: type[Event], request_id: str, t: float,
+                      fields: dict) -> Event:
+        """`record` with the event's own fields as a dict (what ``**fields`` collected)."""
+        make = _MAKERS.get(event_type)
+        if make is None:  # another Event subclass: its own __init__
+            event = event_type(request_id, self.stream, self._seq, t, **fields)
+        else:
+            event = make(request_id, self.stream, self._seq, t, fields)
         apply(self.state, event)
         self._seq += 1
         if self.sink is not None:
@@ -91,7 +115,7 @@ class LedgerEngine:
 
     def _record(self, event_type: type[Event], rid: str, t: float, **fields) -> bool:
         try:
-            self.ledger.record(event_type, rid, t, **fields)
+            self.ledger.record_fields(event_type, rid, t, fields)
             return True
         except LifecycleError as exc:
             self._refused(event_type, rid, exc)
