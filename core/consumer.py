@@ -199,13 +199,15 @@ class ConsumerEngine(LedgerEngine):
 
     def _record(self, event_type: type[Event], rid: str, t: float, **fields) -> bool:
         try:  # `LedgerEngine._record`, inlined: this runs for every event D writes
-            self.ledger.record(event_type, rid, t, **fields)
+            self.ledger.record_fields(event_type, rid, t, fields)
         except LifecycleError as exc:
             self._refused(event_type, rid, exc)
             return False
         if self._ss.last_seq != self._hb_seq + 1:  # not ours alone: rescan when needed
             return True
         self._hb_seq += 1
+        if event_type is HeartbeatSent:
+            return True  # it moves `last_heartbeat` alone: no state, no deadline, no proof
         self._settled.pop(rid, None)
         self._vouched.pop(rid, None)
         rec = self._records.get(rid)

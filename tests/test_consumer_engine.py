@@ -498,3 +498,19 @@ def test_a_poll_with_nothing_new_before_due_at_decides_nothing_and_changes_nothi
     assert len(engine.log) == events and engine.due_at == due
     engine.on_notification(P_AGENT, _ack(0.3, 11.0), 0.41)
     assert [f.request_id for f in engine.poll(0.42).finished] == ["r1"]
+
+
+def test_a_heartbeat_sent_moves_only_the_record_s_last_heartbeat(engine):
+    """The engine keeps what `poll` found per request until the request's next event, except
+    a heartbeat sent, which the fold must keep from touching anything else (deadlines,
+    proofs and state are computed from the other fields)."""
+    import copy
+
+    _reading(engine)
+    engine.on_notification(P_AGENT, _ack(0.0, 12.0), 0.1)
+    before = copy.deepcopy(engine.state.record(D0, "r1"))
+    _beat(engine, 2.5)
+    after = engine.state.record(D0, "r1")
+    changed = {name for name in type(after).__slots__
+               if getattr(after, name) != getattr(before, name)}
+    assert changed == {"last_heartbeat"} and after.last_heartbeat == 2.5
