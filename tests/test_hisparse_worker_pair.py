@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 from pathlib import Path
 
 import pytest
@@ -35,6 +34,7 @@ pytest.importorskip("nixl")
 import handoff_checks as hc  # noqa: E402
 import qwen4_layouts as q  # noqa: E402
 
+from kvhandoff.adapters.vllm.cluster import free_port  # noqa: E402
 from kvhandoff.core.planning import export_ids, in_host_pool, tokens_loaded  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,12 +43,6 @@ DATA = json.loads((Path(__file__).parent / q.HS_FIXTURE).read_text())
 LEASE = 3.0
 # 5 blocks of 64 tokens; KVH_HISPARSE_PROMPT=3008 reads 47 (P's pool holds 48), for a timing
 PROMPT = int(os.environ.get("KVH_HISPARSE_PROMPT", "300"))
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _path(d) -> str:
@@ -74,7 +68,7 @@ def test_d_s_host_pool_and_device_groups_every_byte_one_completion(tmp_path, v):
     from kvhandoff.adapters.vllm.worker import HandoffWorker
     from kvhandoff.core.events import Side
 
-    port = _port()
+    port = free_port()
     extra = {"lease_s": LEASE, "heartbeat_interval_s": 0.3, "lease_margin_s": 0.2,
              "log_dir": str(tmp_path), "side_channel_port": port, "read_timeout_s": 20.0}
     compat = {"model": "dsa", "tp_size": v.tp}

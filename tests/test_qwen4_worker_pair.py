@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ pytest.importorskip("nixl")
 import handoff_checks as hc  # noqa: E402
 import qwen4_layouts as q  # noqa: E402
 
+from kvhandoff.adapters.vllm.cluster import free_port  # noqa: E402
 from kvhandoff.core.groups import CacheKind, CacheLayout  # noqa: E402
 from kvhandoff.core.planning import export_ids, plan_group_reads, tokens_loaded  # noqa: E402
 
@@ -45,12 +45,6 @@ def _clip_ssm_state_blocks(blocks: list[int], num_spec_blocks: int) -> list[int]
             blocks = blocks[:-num_scratch]
         return blocks[-1:]
     return clip_ssm_state_blocks(blocks, num_spec_blocks)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ids(layout: CacheLayout, v: q.Variant, n: int, start: int, skip: set[int]) -> list[list[int]]:
@@ -75,7 +69,7 @@ def _workers(tmp_path, v: q.Variant):
     from kvhandoff.adapters.vllm.worker import HandoffWorker
     from kvhandoff.core.events import Side
 
-    port = _port()
+    port = free_port()
     extra = {"lease_s": LEASE, "heartbeat_interval_s": 0.3, "lease_margin_s": 0.2,
              "log_dir": str(tmp_path), "side_channel_port": port, "read_timeout_s": 20.0}
     compat = {"model": "q4", "tp_size": v.tp}

@@ -14,6 +14,7 @@ from conftest import wait_for
 from hybrid_layouts import gemma_layout, one_group_layout
 from structlog.testing import capture_logs
 
+from kvhandoff.adapters.vllm.cluster import free_port
 from kvhandoff.adapters.vllm.config import ConnectorConfigError, HandoffConfig
 from kvhandoff.adapters.vllm.params import (
     MalformedTransferParams,
@@ -128,14 +129,8 @@ def test_a_peer_with_other_cache_groups_is_refused_naming_the_group_and_field():
         ["l.0", "l.1"], 999, 128, 131072).to_wire()}, "P-x")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_side_channel_handshake_swaps_metadata_and_refuses_mismatches():
-    port = _free_port()
+    port = free_port()
     seen = []
     server = SideChannelServer("127.0.0.1", port, "P-1", 0, COMPAT,
                                lambda hello, md: (seen.append((hello["engine_id"], md)), b"P-META")[1])
@@ -148,7 +143,7 @@ def test_side_channel_handshake_swaps_metadata_and_refuses_mismatches():
     finally:
         server.close()
     with pytest.raises(HandshakeFailed, match="no answer"):
-        handshake("127.0.0.1", _free_port(), "D-1", 0, COMPAT, b"x", 0.3)
+        handshake("127.0.0.1", free_port(), "D-1", 0, COMPAT, b"x", 0.3)
 
 
 # ---- the scheduler half, with stand-ins for vLLM's request objects ----------
@@ -739,3 +734,16 @@ def test_the_monitoring_docs_name_only_metrics_the_connector_exports():
     for name in ("rejected_by_reason", "reads_refused", "leases_expired", "heartbeats_late",
                  "heartbeats_sent_late", "log_write_errors", "refused_events"):
         assert f"vllm:kvhandoff_{name}_total" in alerts, name
+
+
+def test_a_free_port_is_outside_the_kernels_ephemeral_range_and_so_is_the_next():
+    """A port the kernel may hand an outgoing connection before the engine binds it is
+    where NixlConnector's side channel failed with "Address already in use"."""
+    from kvhandoff.adapters.vllm.cluster import ephemeral_ports
+
+    for _ in range(20):
+        port = free_port()
+        assert port not in ephemeral_ports() and port + 1 not in ephemeral_ports()
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", port))
+            b.bind(("127.0.0.1", port + 1))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 import threading
 import time
 
@@ -24,6 +23,7 @@ pytest.importorskip("nixl")
 
 from hybrid_layouts import gemma_layout, one_group_layout  # noqa: E402
 
+from kvhandoff.adapters.vllm.cluster import free_port  # noqa: E402
 from kvhandoff.adapters.vllm.config import HandoffConfig  # noqa: E402
 from kvhandoff.adapters.vllm.demo import analyse_logs  # noqa: E402
 from kvhandoff.adapters.vllm.metadata import Admit, Export, Failure, Read, StepPlan  # noqa: E402
@@ -43,12 +43,6 @@ COMPAT = {"model": "test", "dtype": "torch.float16", "block_size": BLOCK, "num_k
 LEASE = 3.0
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 LAYOUT = one_group_layout(NAMES, NUM_BLOCKS, BLOCK, HEADS * BLOCK * 2 * HEAD * 2)
 
@@ -64,7 +58,7 @@ def _caches(fill: bool) -> dict[str, object]:
 
 @pytest.fixture
 def workers(tmp_path):
-    port = _port()
+    port = free_port()
     extra = {"lease_s": LEASE, "heartbeat_interval_s": 0.3, "lease_margin_s": 0.2,
              "log_dir": str(tmp_path), "side_channel_port": port, "read_timeout_s": 10.0,
              "debug_read_delay_param": True}
@@ -587,7 +581,7 @@ def _gemma_caches(fill: bool) -> tuple[dict[str, object], object]:
 
 @pytest.fixture
 def gemma_workers(tmp_path):
-    port = _port()
+    port = free_port()
     extra = {"lease_s": LEASE, "heartbeat_interval_s": 0.3, "lease_margin_s": 0.2,
              "log_dir": str(tmp_path), "side_channel_port": port, "read_timeout_s": 10.0}
     p = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "P-g", Side.P, 0, 1, COMPAT)
@@ -699,7 +693,7 @@ def test_heartbeats_follow_p_s_lease_when_it_is_shorter_than_d_s_setting(tmp_pat
     finds no heartbeat gap.  (At D's own period P expired the lease at 1.5 s
     and D refused the bytes.)
     """
-    port = _port()
+    port = free_port()
     p_lease, read_s = 1.5, 3.0
     p = HandoffWorker(HandoffConfig.from_extra(
         {"lease_s": p_lease, "log_dir": str(tmp_path), "side_channel_port": port}, env={}),
@@ -805,7 +799,7 @@ def test_the_fence_proves_a_read_when_every_answer_from_p_is_lost(workers, monke
 
 
 def test_a_p_without_fence_slots_is_asked_at_admission_as_before(tmp_path):
-    port = _port()
+    port = free_port()
     extra = {"lease_s": LEASE, "heartbeat_interval_s": 0.3, "lease_margin_s": 0.2,
              "log_dir": str(tmp_path), "side_channel_port": port, "read_timeout_s": 10.0}
     p = HandoffWorker(HandoffConfig.from_extra({**extra, "fence_slots": 0}, env={}), "P-w",

@@ -9,6 +9,7 @@ on D.  Used by the demo, the benchmark and the end-to-end tests.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -31,10 +32,45 @@ class EngineFailed(RuntimeError):
     """An engine process died or did not answer in time; names the log to read."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
+def ephemeral_ports() -> range:
+    """The ports the kernel hands out to outgoing connections (Linux's
+    ``ip_local_port_range``; IANA's 49152–65535 where that cannot be read)."""
+    try:
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        lo, hi = 49152, 65535
+    return range(lo, hi + 1)
+
+
+def free_port(tries: int = 200) -> int:
+    """A TCP port free on 127.0.0.1 now, for a listener another process opens later.
+
+    Taken outside the ephemeral range: a port the kernel picked for ``bind(0)``
+    is one it may give the next outgoing connection (UCX, ZMQ, HTTP) before the
+    engine binds it, and the engine's listener then fails with "Address already
+    in use" (seen with NixlConnector's side channel).  Outside that range only
+    another explicit bind can take it.
+    """
+    ephemeral = ephemeral_ports()
+    # Two free in a row: vLLM's NixlConnector listens on side_channel_port + TP rank.
+    pool = [r for r in (range(10000, ephemeral.start - 1), range(ephemeral.stop, 65535)) if r]
+    rng = random.SystemRandom()
+    for _ in range(tries if pool else 0):
+        port = rng.choice(rng.choice(pool))
+        if _bindable(port) and _bindable(port + 1):
+            return port
+    with socket.socket() as s:  # every port outside the range taken: let the kernel pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class EngineHandle:
