@@ -168,8 +168,8 @@ MUTANTS: tuple[Mutant, ...] = (
     # Issue #14: D's decisions in one engine (`core.consumer`), which the simulator and the
     # connector both drive.
     Mutant("report_a_timed_out_read_in_flight", "core/consumer.py",
-           "            if req.in_flight:\n                continue  # a failed READ still moving bytes",
-           "            if False:\n                continue  # a failed READ still moving bytes",
+           "        if not req.in_flight:  # (a failed READ still moving bytes",
+           "        if True:  # (a failed READ still moving bytes",
            "D reports (and releases P for) a READ it gave up on while it still moves bytes"),
     Mutant("ack_from_any_agent", "core/consumer.py",
            "            if (isinstance(rec, ConsumerRecord) and req is not None and req.peer == sender\n",
