@@ -125,6 +125,11 @@ class ConsumerStep:
     # when it was planned (a late answer to an earlier READ proves nothing)
     fences: list[tuple[str, Hashable, int, int, float]] = field(default_factory=list)
 
+    def __bool__(self) -> bool:
+        """Whether the engine decided anything (most polls decide nothing)."""
+        return bool(self.heartbeats or self.releases or self.finished or self.timed_out
+                    or self.fences)
+
 
 @dataclass(slots=True)
 class _Request:
@@ -435,8 +440,7 @@ class ConsumerEngine(LedgerEngine):
         self._awaiting, self._deadline = awaiting, wake
         self._plan_heartbeats(now, awaiting, step)
         # Anything decided is an input to the next poll (the driver may not carry it out).
-        self._dirty = bool(step.heartbeats or step.releases or step.finished or step.fences
-                           or step.timed_out)
+        self._dirty = bool(step)
         self._polled = (self._ss.last_seq, self.timing)
         self._quiet_until = -math.inf if self._dirty else self._next_due()
         return step

@@ -197,9 +197,7 @@ class DecodeEngine:
         # vLLM 0.32 serves what drained, unproven
         report_now = not self.policy.acknowledges and bool(self.reading)
         for d, engine in enumerate(engines):
-            step = engine.poll(now)
-            if step.heartbeats or step.releases or step.finished or step.fences:
-                self._carry_out(d, step, now)  # most polls decide nothing
+            self._carry_out(d, engine.poll(now), now)
             if report_now:
                 # ``report_now`` reports only what drained, and a rank reports a request
                 # once: asking while a READ of the rank is in flight, or after it reported,
@@ -260,7 +258,7 @@ class DecodeEngine:
 
     def _carry_out(self, d: int, step: ConsumerStep, now: float) -> None:
         """Send what rank ``d``'s engine decided; conclude requests every rank reported."""
-        if not (step.heartbeats or step.releases or step.finished or step.fences):
+        if not step:
             return  # most polls decide nothing
         for rid, peer, _rank, slot, planned in step.fences:
             self._post_fence(d, rid, peer, slot, planned, now)

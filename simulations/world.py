@@ -352,12 +352,10 @@ class World:
         clock, horizon = self.clock, self.horizon
         if on_step is None:
             clock.run_through(horizon, MAX_CLOCK_STEPS)
-        else:
-            queue, step = clock._queue, clock.step
-            steps = 0
-            while queue and queue[0][0] <= horizon and steps < MAX_CLOCK_STEPS:
-                step()
-                steps += 1
+        else:  # one callback at a time, the observer after each
+            for _ in range(MAX_CLOCK_STEPS):
+                if not clock.run_through(horizon, 1):
+                    break
                 on_step(self)
         self.net.heal_all()
         return self.result()
