@@ -34,6 +34,7 @@ import handoff_checks as hc  # noqa: E402
 import qwen4_layouts as q  # noqa: E402
 import two_hosts as th  # noqa: E402
 
+from kvhandoff.adapters.vllm.cluster import free_port  # noqa: E402
 from kvhandoff.core.planning import export_ids, in_host_pool, tokens_loaded  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -51,7 +52,7 @@ def test_d_s_host_pool_and_device_groups_every_byte_one_completion(tmp_path, tp)
     from kvhandoff.core.events import Side
 
     v = VARIANT[tp]
-    port = th.free_port_pair("127.0.0.1", tp)
+    port = free_port("127.0.0.1", tp)
     common = {"lease_s": LEASE, "heartbeat_interval_s": 0.3, "lease_margin_s": 0.2,
               "log_dir": str(tmp_path), "read_timeout_s": 20.0}
     p_host = th.Qwen4HostProcess(th.HostSpec(

@@ -33,6 +33,7 @@ import qwen4_layouts as q  # noqa: E402
 import two_hosts as th  # noqa: E402
 from test_qwen4_worker_pair import _clip_ssm_state_blocks, _ids  # noqa: E402
 
+from kvhandoff.adapters.vllm.cluster import free_port  # noqa: E402
 from kvhandoff.core.planning import export_ids, plan_group_reads, tokens_loaded  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -52,7 +53,7 @@ def test_p_in_its_own_process_every_byte_of_d_s_allocation(tmp_path, tp):
 
     v = SEED_TP[tp]
     assert v.mtp and v.prefix_caching and v.tp == tp
-    port = th.free_port_pair("127.0.0.1", tp)
+    port = free_port("127.0.0.1", tp)
     common = {"lease_s": LEASE, "heartbeat_interval_s": 0.3, "lease_margin_s": 0.2,
               "log_dir": str(tmp_path), "read_timeout_s": 20.0}
     p_host = th.Qwen4HostProcess(th.HostSpec(

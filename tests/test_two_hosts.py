@@ -27,6 +27,7 @@ pytest.importorskip("nixl")
 import two_hosts as th  # noqa: E402
 from two_hosts import D_HOST, P_HOST, STRANGER, HostProcess, HostSpec  # noqa: E402
 
+from kvhandoff.adapters.vllm.cluster import free_port  # noqa: E402
 from kvhandoff.adapters.vllm.demo import analyse_logs  # noqa: E402
 from kvhandoff.adapters.vllm.metadata import Admit, Export, Read, StepPlan  # noqa: E402
 from kvhandoff.adapters.vllm.params import RemotePrefill  # noqa: E402
@@ -42,7 +43,7 @@ class Pair:
 
     def __init__(self, tmp: Path, tp_size: int = 1, layout: str = "llama") -> None:
         self.tmp, self.tp_size = tmp, tp_size
-        self.port = th.free_port_pair(P_HOST, tp_size)
+        self.port = free_port(P_HOST, tp_size)
         self.outputs = (tmp / "P.host.log", tmp / "D.host.log")  # UCX's report goes here
         common = {"lease_s": LEASE, "heartbeat_interval_s": 0.3, "lease_margin_s": 0.2,
                   "log_dir": str(tmp / "events"), "read_timeout_s": 10.0}
@@ -210,7 +211,7 @@ def test_d_refuses_a_producer_outside_its_trusted_list_before_a_packet_leaves(
     from kvhandoff.adapters.vllm.worker import HandoffWorker
     from kvhandoff.core.events import Side
 
-    port = th.free_port_pair(P_HOST, 3)
+    port = free_port(P_HOST, 3)
     extra = {"lease_s": LEASE, "log_dir": str(tmp_path), **th.d_extra(port, tp_size=1)}
     d = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "D-t", Side.D, rank, 2,
                       th.compat(2))

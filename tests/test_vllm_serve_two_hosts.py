@@ -44,6 +44,7 @@ from test_vllm_serve import (  # noqa: E402
 )
 from two_hosts import D_HOST, P_HOST, STRANGER  # noqa: E402
 
+from kvhandoff.adapters.vllm.cluster import free_port  # noqa: E402
 from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY  # noqa: E402
 from kvhandoff.adapters.vllm.serve import ServeProcess, ServeSpec  # noqa: E402
 from kvhandoff.adapters.vllm.tiny_model import write_tiny_model  # noqa: E402
@@ -58,7 +59,7 @@ class TwoHostRoute:
         self.workdir = workdir
         self.model = str(write_tiny_model("llama", workdir / "model"))
         self.log_dir = workdir / "events"
-        self.side_port = th.free_port_pair(P_HOST)
+        self.side_port = free_port(P_HOST)
         common = {"lease_s": one_host.LEASE_S, "heartbeat_interval_s": 1.0,
                   "lease_margin_s": 0.5, "read_timeout_s": 30.0, "handshake_timeout_s": 10.0,
                   "log_dir": str(self.log_dir)}

@@ -736,7 +736,7 @@ def test_the_monitoring_docs_name_only_metrics_the_connector_exports():
         assert f"vllm:kvhandoff_{name}_total" in alerts, name
 
 
-def test_a_free_port_is_outside_the_kernels_ephemeral_range_and_so_is_the_next():
+def test_a_free_port_is_outside_the_kernels_ephemeral_range_and_so_are_the_next():
     """A port the kernel may hand an outgoing connection before the engine binds it is
     where NixlConnector's side channel failed with "Address already in use"."""
     from kvhandoff.adapters.vllm.cluster import ephemeral_ports
@@ -747,3 +747,9 @@ def test_a_free_port_is_outside_the_kernels_ephemeral_range_and_so_is_the_next()
         with socket.socket() as a, socket.socket() as b:
             a.bind(("127.0.0.1", port))
             b.bind(("127.0.0.1", port + 1))
+    # on another loopback "host" (tests/two_hosts.py), one port per TP rank
+    port = free_port("127.0.0.2", 3)
+    assert not {port, port + 1, port + 2} & set(ephemeral_ports())
+    with socket.socket() as a, socket.socket() as b, socket.socket() as c:
+        for s, k in ((a, 0), (b, 1), (c, 2)):
+            s.bind(("127.0.0.2", port + k))

@@ -12,7 +12,6 @@ steps P, so only P's notification thread can answer.
 
 from __future__ import annotations
 
-import socket
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ pytest.importorskip("nixl")
 
 from hybrid_layouts import one_group_layout  # noqa: E402
 
+from kvhandoff.adapters.vllm.cluster import free_port  # noqa: E402
 from kvhandoff.adapters.vllm.config import HandoffConfig  # noqa: E402
 from kvhandoff.adapters.vllm.metadata import Admit, Export, StepPlan  # noqa: E402
 from kvhandoff.adapters.vllm.params import RemotePrefill  # noqa: E402
@@ -39,12 +39,6 @@ COMPAT = {"model": "test", "dtype": "torch.float16", "block_size": BLOCK, "num_k
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
 LAYOUT = one_group_layout(NAMES, NUM_BLOCKS, BLOCK, HEADS * BLOCK * 2 * HEAD * 2)
 LEASE = 30.0
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _caches() -> dict[str, object]:
@@ -92,7 +86,7 @@ def test_the_connector_starts_the_progress_thread_on_p_only_unless_told(tmp_path
         monkeypatch.delenv(PROGRESS_THREAD_ENV, raising=False)
     else:
         monkeypatch.setenv(PROGRESS_THREAD_ENV, env)
-    extra = {"lease_s": LEASE, "log_dir": str(tmp_path), "side_channel_port": _port()}
+    extra = {"lease_s": LEASE, "log_dir": str(tmp_path), "side_channel_port": free_port()}
     workers = [HandoffWorker(HandoffConfig.from_extra(extra, env={}), f"{side.value}-pt", side, 0, 1,
                              COMPAT) for side in (Side.P, Side.D)]
     try:
@@ -128,7 +122,7 @@ def test_an_agent_without_the_progress_thread_starts_no_thread():
 def test_p_answers_within_a_poll_period_or_so_while_the_gil_is_busy(tmp_path, monkeypatch,
                                                                      progress_thread):
     monkeypatch.setenv(PROGRESS_THREAD_ENV, progress_thread)
-    port = _port()
+    port = free_port()
     extra = {"lease_s": LEASE, "log_dir": str(tmp_path), "side_channel_port": port}
     before = sys.getswitchinterval()
     p = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "P-wk", Side.P, 0, 1, COMPAT)

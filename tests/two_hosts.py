@@ -27,7 +27,6 @@ import json
 import multiprocessing as mp
 import os
 import re
-import socket
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -94,24 +93,6 @@ def guide_block(model: str = "meta-llama/Llama-3.1-8B-Instruct") -> str:
 # does not buffer: the report survives a kill -9 (a log file of UCX's own is written
 # out only at a clean exit).  `read_protocols` takes it apart by process id.
 EVIDENCE_ENV = {"UCX_PROTO_INFO": "y", "UCX_LOG_FILE": "stderr"}
-
-
-def free_port_pair(host: str, count: int = 1) -> int:
-    """A port p such that p .. p + count - 1 are free on ``host`` (one per TP rank)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port + count >= 65536:
-            continue
-        try:
-            for k in range(1, count):
-                with socket.socket() as s:
-                    s.bind((host, port + k))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError(f"no {count} consecutive free ports on {host}")
 
 
 # ---- UCX's protocol report ----------------------------------------------------

@@ -42,32 +42,38 @@ def ephemeral_ports() -> range:
     return range(lo, hi + 1)
 
 
-def free_port(tries: int = 200) -> int:
-    """A TCP port free on 127.0.0.1 now, for a listener another process opens later.
+def free_port(host: str = "127.0.0.1", count: int = 2, tries: int = 200) -> int:
+    """A TCP port p such that p .. p + count - 1 are free on ``host`` now, for listeners
+    another process opens later.
 
     Taken outside the ephemeral range: a port the kernel picked for ``bind(0)``
     is one it may give the next outgoing connection (UCX, ZMQ, HTTP) before the
     engine binds it, and the engine's listener then fails with "Address already
     in use" (seen with NixlConnector's side channel).  Outside that range only
-    another explicit bind can take it.
+    another explicit bind can take it.  ``count`` defaults to two: vLLM's
+    NixlConnector listens on side_channel_port + TP rank.
     """
     ephemeral = ephemeral_ports()
-    # Two free in a row: vLLM's NixlConnector listens on side_channel_port + TP rank.
-    pool = [r for r in (range(10000, ephemeral.start - 1), range(ephemeral.stop, 65535)) if r]
+    pool = [r for r in (range(10000, ephemeral.start - count), range(ephemeral.stop, 65536 - count))
+            if r]
     rng = random.SystemRandom()
     for _ in range(tries if pool else 0):
         port = rng.choice(rng.choice(pool))
-        if _bindable(port) and _bindable(port + 1):
+        if all(_bindable(host, port + k) for k in range(count)):
             return port
-    with socket.socket() as s:  # every port outside the range taken: let the kernel pick
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(tries):  # every port outside the range taken: let the kernel pick
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port + count <= 65536 and all(_bindable(host, port + k) for k in range(1, count)):
+            return port
+    raise RuntimeError(f"no {count} free ports in a row on {host}")
 
 
-def _bindable(port: int) -> bool:
+def _bindable(host: str, port: int) -> bool:
     with socket.socket() as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError:
             return False
     return True
