@@ -7,6 +7,7 @@ Hypothesis: the ``ci`` profile (derandomised, no example database) is used when
 import os
 import threading
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("ci", derandomize=True, database=None, max_examples=60,
@@ -73,19 +74,68 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "phase(n): run after the module's tests of lower phases (default 0); for "
                    "tests that need all earlier traffic (1) or stop shared engines (2, 3, ...)")
+    config.addinivalue_line(
+        "markers", "engines(name): the module uses the engines of the session fixture `name` "
+                   "(e.g. serve_route); such modules run one after another, and the tests that "
+                   "stop the engines (phase >= 2) after every other test that uses them")
+
+
+STOPS_ENGINES = 2  # phases from here on stop shared engines
+
+
+def _group(item) -> str:
+    marker = item.get_closest_marker("engines")
+    return marker.args[0] if marker else item.nodeid.split("::")[0]
+
+
+def _phase(item) -> int:
+    marker = item.get_closest_marker("phase")
+    return marker.args[0] if marker else 0
 
 
 def pytest_collection_modifyitems(config, items):
     """Within each module, run tests by ``phase`` (a stable sort: file order otherwise).
 
     Modules stay contiguous, so a module-scoped fixture (the serve route's
-    engines) is built once.
+    engines) is built once.  Modules marked ``engines(name)`` share a
+    session-scoped set of engines: they run together, where the first of them
+    would run, and the tests that stop those engines (phase >= 2) come last.
     """
     first_seen: dict[str, int] = {}
     for i, item in enumerate(items):
         first_seen.setdefault(item.nodeid.split("::")[0], i)
+        first_seen.setdefault(_group(item), i)
 
     def key(item):
-        marker = item.get_closest_marker("phase")
-        return first_seen[item.nodeid.split("::")[0]], marker.args[0] if marker else 0
+        phase = _phase(item)
+        return (first_seen[_group(item)], phase >= STOPS_ENGINES,
+                first_seen[item.nodeid.split("::")[0]], phase)
     items.sort(key=key)
+
+
+_SHARED_ENGINES: dict[str, object] = {}  # the engines of a session fixture, by its name
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Stop a group's shared engines once its last test has run (not at the session's end:
+    they would sit on memory, and a vLLM CPU worker spins while its engine holds a request)."""
+    name = _group(item)
+    if name in _SHARED_ENGINES and (nextitem is None or _group(nextitem) != name):
+        _SHARED_ENGINES.pop(name).stop()
+
+
+@pytest.fixture(scope="session")
+def serve_route(tmp_path_factory):
+    """``vllm serve`` P and D behind the example router, and a plain reference engine, of
+    the tiny Llama (test_vllm_serve's `Route`), for every module marked
+    ``engines("serve_route")``: engine start dominates their cost."""
+    from test_vllm_serve import Route
+
+    route = Route(tmp_path_factory.mktemp("serve"))
+    _SHARED_ENGINES["serve_route"] = route
+    try:
+        route.start()
+        yield route
+    finally:
+        _SHARED_ENGINES.pop("serve_route", None)
+        route.stop()

@@ -3,10 +3,11 @@
 What users run (docs/operator-guide.md): two OpenAI servers with
 ``--kv-transfer-config`` and a router that hands P's ``kv_transfer_params`` to
 D unchanged, plus a plain ``vllm serve`` of the same model as the reference.
-One P, one D and one reference serve the whole module (engine start
-dominates the cost).  The order is explicit (``phase`` markers, conftest):
-the check over every export runs after all traffic, then D is killed, then
-P is stopped.
+One P, one D and one reference serve the whole module and
+test_vllm_toy_proxy (conftest's ``serve_route``: engine start dominates the
+cost).  The order is explicit (``phase`` and ``engines`` markers, conftest):
+the check over every export runs after all traffic, then, after the toy
+proxy's tests too, D is killed, then P is stopped.
 
 The evidence is what users would look at: HTTP status codes, D's text and
 token ids against the reference engine, and the event logs on disk while
@@ -46,7 +47,7 @@ from kvhandoff.core.log import read_log  # noqa: E402
 LEASE_S = 20.0  # > the time a request waits for D's admission on a loaded 2-core host
 SLOW_READ_S = 2.5
 OUT = 8
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.engines("serve_route")]
 
 WORDS = ("the rain in spain falls mainly on a plain while old ships sail north past quiet "
          "harbours and bright towers of glass hum with the songs of distant engines").split()
@@ -113,13 +114,8 @@ class Route:
 
 
 @pytest.fixture(scope="module")
-def route(tmp_path_factory):
-    r = Route(tmp_path_factory.mktemp("serve"))
-    try:
-        r.start()
-        yield r
-    finally:
-        r.stop()
+def route(serve_route):
+    return serve_route  # conftest: one route for this module and test_vllm_toy_proxy
 
 
 # ---- helpers ---------------------------------------------------------------

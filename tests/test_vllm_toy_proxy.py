@@ -19,11 +19,12 @@ equivalent, request for request (completions):
 (One difference that is the proxy's business, not the hand-off's: a client per request
 instead of its pool of kept-alive connections, which race vLLM's keep-alive timeout.)
 
-It runs against real ``vllm serve`` P and D with kvhandoff (one pair for the module, built
-by test_vllm_serve's `Route`, plus its plain reference engine): the tokens equal the
+It runs against real ``vllm serve`` P and D with kvhandoff (test_vllm_serve's engines and
+plain reference engine, shared through conftest's ``serve_route``): the tokens equal the
 reference's, streamed or not, ``min_tokens`` honoured on D; the shared X-Request-Id is in
 both engines' request ids; P frees every export once on D's release; ``kvhandoff replay
---check`` is clean.  Run it under ``flock /tmp/vllm.lock`` (it starts three engines).
+--check`` is clean.  Run it under ``flock /tmp/vllm.lock`` (it starts three engines; with test_vllm_serve in
+the same run, they start once for both).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from test_vllm_serve import (  # noqa: E402
     text_prompt,
 )
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.engines("serve_route")]
 OUT = 8
 
 
@@ -105,14 +106,8 @@ def toy_proxy_app(prefill_url: str, decode_url: str):
 
 
 @pytest.fixture(scope="module")
-def route(tmp_path_factory):
-    r = Route(tmp_path_factory.mktemp("toy-proxy"))
-    try:
-        for e in (r.p, r.d, r.ref):
-            e.wait_ready()
-        yield r
-    finally:
-        r.stop()
+def route(serve_route):
+    return serve_route  # conftest: test_vllm_serve's engines, before its tests stop them
 
 
 @pytest.fixture(scope="module")
@@ -185,8 +180,9 @@ def test_every_toy_proxy_hand_off_is_freed_once_and_replay_is_clean(route, proxy
     prompt = text_prompt(1200, 60)
     assert _through_proxy(url, _client_body(route, prompt, True))[1] == reference(
         route, prompt)["token_ids"]
-    exported = {e.request_id for e in events(route.p_log) if e.kind == "exported"}
-    assert len(exported) == len(app.state.ids)
+    exported = {e.request_id for e in events(route.p_log) if e.kind == "exported"
+                and any(request_id in e.request_id for request_id in app.state.ids)}
+    assert len(exported) == len(app.state.ids)  # one hand-off per proxied request
     for rid in exported:
         assert_freed_once(route, rid, released=True)
     result = subprocess.run([sys.executable, "-m", "kvhandoff.adapters.cli", "replay",
