@@ -162,11 +162,11 @@ class DecodeEngine:
         # Most steps find no notification or completion on most ranks: skip the
         # calls then (a crashed agent still goes through them, and raises).
         for d, agent in enumerate(agents):
-            if agent._notifs or agent._crashed:
+            if agent.notifs_waiting:
                 for n in agent.recv_notifs():
                     self._on_notification(d, n.peer, n.message, now)
         for d, agent in enumerate(agents):
-            if not (agent._completions or agent._crashed):
+            if not agent.completions_waiting:
                 continue
             for c in agent.poll():
                 fence = self.fence_readers[d].landed(c) if self.fences else None

@@ -146,7 +146,7 @@ class PrefillEngine:
         now = self.clock.now
         cfg = self.cfg
         for rank, agent in enumerate(self.agents):
-            if agent._notifs or agent._crashed:  # most steps find none (a crashed agent raises)
+            if agent.notifs_waiting:
                 for n in agent.recv_notifs():
                     self._on_notification(rank, n.peer, n.message, now)
         for rid in self.aborts:

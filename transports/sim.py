@@ -636,6 +636,17 @@ class SimTransport:
     def region_names(self) -> tuple[str, ...]:
         return tuple(self._regions)
 
+    @property
+    def notifs_waiting(self) -> bool:
+        """`recv_notifs` would return something (or raise: crashed).  Most simulated engine
+        steps find nothing on most ranks, and the drivers skip the call then."""
+        return bool(self._notifs) or self._crashed
+
+    @property
+    def completions_waiting(self) -> bool:
+        """`poll` would return something (or raise: crashed)."""
+        return bool(self._completions) or self._crashed
+
 
 # --- a block pool that poisons what it frees ----------------------------------
 

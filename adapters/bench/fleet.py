@@ -208,7 +208,7 @@ class Fleet:
         step = engine.poll(now)
         for rid, _, p, slot, planned in step.fences:
             heapq.heappush(self.fence_reads, (now + self.delay_s, d, rid, p, slot, planned))
-        if not (step.heartbeats or step.releases or step.finished):
+        if not step:
             return
         fresh = self.fresh[d]
         bucket = int(now // self.interval_s)
