@@ -18,43 +18,39 @@ import structlog
 from kvhandoff.core.errors import LifecycleError
 from kvhandoff.core.events import EVENT_TYPES, Event, Stream
 from kvhandoff.core.lifecycle import LifecycleState, apply
+from kvhandoff.core.slots import slot_builder
 
 log = structlog.get_logger(__name__)
 
 
 def _maker(cls: type[Event]) -> Callable[..., Event]:
     """``make(request_id, stream, seq, t, own)``: the event ``cls(request_id, stream, seq, t,
-    **own)`` builds, without the frozen dataclass's ``__init__`` (one ``object.__setattr__``
-    per field); the slots are set through their descriptors, each field's default as the
-    dataclass declares it.  ``own``, the event's own fields, is the dict the caller's keyword
-    arguments were collected in: read in place, not unpacked into one more call.  A key the
-    event does not have, or a required field missing, goes to the keyword form, which
-    raises the `TypeError` a call with those keywords raises.
-    Generated once per type (as `core.log` builds decoded events)."""
-    namespace: dict = {"new": object.__new__, "cls": cls}
-    params, sets, own_sets, own, required = [], [], [], [], []
+    **own)`` builds (`core.slots`), each field's default as the dataclass declares it.
+    ``own``, the event's own fields, is the dict the caller's keyword arguments were
+    collected in: read in place, not unpacked into one more call.  A key the event does
+    not have, or a required field missing, goes to the keyword form, which raises the
+    `TypeError` a call with those keywords raises."""
+    namespace: dict = {}
+    params, values, own_values, required = [], {}, {}, []
     for i, f in enumerate(fields(cls)):
+        values[f.name] = f.name
         if f.default is MISSING:
             params.append(f.name)
         else:
             namespace[f"d{i}"] = f.default
             params.append(f"{f.name}=d{i}")
-        namespace[f"set{i}"] = getattr(cls, f.name).__set__
-        sets.append(f"    set{i}(e, {f.name})\n")
         if i >= 4:  # after request_id, stream, seq, t: the event's own fields
-            own.append(f.name)
             if f.default is MISSING:
                 required.append(f.name)
-            own_sets.append(f"    set{i}(e, own[{f.name!r}])\n" if f.default is MISSING
-                            else f"    set{i}(e, own.get({f.name!r}, d{i}))\n")
-    namespace["own_names"] = frozenset(own)
+                own_values[f.name] = f"own[{f.name!r}]"
+            else:
+                own_values[f.name] = f"own.get({f.name!r}, d{i})"
+    make = slot_builder(cls, ", ".join(params), values, namespace)
+    namespace.update(make=make, own_names=frozenset(own_values))
     check = "not own.keys() <= own_names" + "".join(f" or {n!r} not in own" for n in required)
-    exec(f"def make({', '.join(params)}):\n    e = new(cls)\n{''.join(sets)}    return e\n"
-         "def make_from(request_id, stream, seq, t, own):\n"
-         f"    if {check}:\n"
-         "        return make(request_id, stream, seq, t, **own)\n"
-         f"    e = new(cls)\n{''.join(sets[:4])}{''.join(own_sets)}    return e\n", namespace)
-    return namespace["make_from"]
+    header = {name: name for name in ("request_id", "stream", "seq", "t")}
+    return slot_builder(cls, "request_id, stream, seq, t, own", header | own_values, namespace,
+                        guard=f"if {check}: return make(request_id, stream, seq, t, **own)")
 
 
 _MAKERS: dict[type[Event], Callable[..., Event]] = {cls: _maker(cls)

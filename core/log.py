@@ -31,6 +31,7 @@ import structlog
 from kvhandoff.core.errors import LogCorrupt
 from kvhandoff.core.events import EVENT_TYPES, EXTRA_FIELDS, Event, Side, Stream
 from kvhandoff.core.lifecycle import gc_paused
+from kvhandoff.core.slots import slot_builder
 
 SCHEMA_VERSION = 1
 log = structlog.get_logger(__name__)
@@ -156,24 +157,12 @@ def _wire_struct(kind: str, extra: tuple) -> type:
 
 
 def _builder(kind: str):
-    """``build(wire, stream) -> event`` of one event type, without the dataclass ``__init__``.
-
-    A frozen dataclass's ``__init__`` sets each field through
-    ``object.__setattr__``; setting the slots through their descriptors makes
-    the same object in about half the time.  Generated once per type (as
-    dataclasses generates ``__init__``), from the event's own field names.
-    """
-    cls = EVENT_TYPES[kind]
-    source = {"request_id": "w.rid", "stream": "stream"}
+    """``build(wire, stream) -> event`` of one event type (`core.slots`), from its own
+    field names."""
     names = ("request_id", "stream", "seq", "t", *(name for name, _ in EXTRA_FIELDS[kind]))
-    namespace: dict = {"new": object.__new__, "cls": cls}
-    body = ["def build(w, stream):", "    e = new(cls)"]
-    for i, name in enumerate(names):
-        namespace[f"set{i}"] = getattr(cls, name).__set__
-        body.append(f"    set{i}(e, {source.get(name, 'w.' + name)})")
-    body.append("    return e")
-    exec("\n".join(body), namespace)
-    return namespace["build"]
+    source = {"request_id": "w.rid", "stream": "stream"}
+    return slot_builder(EVENT_TYPES[kind], "w, stream",
+                        {name: source.get(name, f"w.{name}") for name in names})
 
 
 _WIRE = {kind: _wire_struct(kind, extra) for kind, extra in EXTRA_FIELDS.items()}

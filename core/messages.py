@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import orjson
 
 from kvhandoff.core.errors import MalformedMessage
+from kvhandoff.core.slots import slot_builder
 
 WIRE_VERSION = 1
 
@@ -76,18 +77,9 @@ def _encoder(cls: type):
 
 
 def _builder(cls: type):
-    """``build(*fields)``: ``cls(*fields)`` without the frozen dataclass's ``__init__`` (one
-    ``object.__setattr__`` per field): the slots are set through their descriptors.
-    Every field is passed (`decode` has checked them all)."""
-    names = cls.__slots__
-    namespace: dict = {"new": object.__new__, "cls": cls}
-    body = []
-    for i, name in enumerate(names):
-        namespace[f"set{i}"] = getattr(cls, name).__set__
-        body.append(f"    set{i}(e, {name})\n")
-    exec(f"def build({', '.join(names)}):\n    e = new(cls)\n{''.join(body)}    return e",
-         namespace)
-    return namespace["build"]
+    """``build(*fields)``: ``cls(*fields)`` (`core.slots`); every field is passed (`decode`
+    has checked them all)."""
+    return slot_builder(cls, ", ".join(cls.__slots__), {name: name for name in cls.__slots__})
 
 
 _ENCODERS = {cls: _encoder(cls) for cls in _TAGS}
