@@ -91,7 +91,7 @@ def test_the_connector_starts_the_progress_thread_on_p_only_unless_told(tmp_path
                              COMPAT) for side in (Side.P, Side.D)]
     try:
         for w in workers:
-            w.register_kv_caches(_caches(), LAYOUT)
+            w.register_kv_caches(_caches(), LAYOUT)  # nothing here holds the tensors but w
         assert [w.transport.options.progress_thread for w in workers] == [p_thread, d_thread]
         # D without NIXL's thread moves its READs between engine steps itself; no one else.
         p, d = workers
@@ -101,6 +101,29 @@ def test_the_connector_starts_the_progress_thread_on_p_only_unless_told(tmp_path
     finally:
         for w in workers:
             w.close()
+
+
+def test_the_worker_keeps_the_memory_it_registered_alive(tmp_path):
+    """NIXL reads into and serves registered memory: the worker holds the caches it
+    registered, so a caller that lets go of them cannot leave READs landing in freed
+    memory (it crashed this module's tests with malloc errors)."""
+    import gc
+    import weakref
+
+    extra = {"lease_s": LEASE, "log_dir": str(tmp_path)}
+    for side in (Side.P, Side.D):
+        extra["side_channel_port"] = free_port()
+        worker = HandoffWorker(HandoffConfig.from_extra(extra, env={}), f"{side.value}-keep",
+                               side, 0, 1, COMPAT)
+        caches = _caches()
+        try:
+            worker.register_kv_caches(caches, LAYOUT)
+            registered = [weakref.ref(t) for t in caches.values()]
+            del caches
+            gc.collect()
+            assert all(ref() is not None for ref in registered), side
+        finally:
+            worker.close()
 
 
 def test_an_agent_without_the_progress_thread_starts_no_thread():

@@ -117,6 +117,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self.transport: Any = None
         self.num_blocks = 0
         self.layout: CacheLayout | None = None
+        self._kv_caches: dict[str, Any] = {}  # what NIXL has registered: kept alive
         self.backoff = 0  # prompt tokens D computes itself (core.planning.prefill_backoff)
         self.stats = kstats.empty()
         self.total = kstats.empty()
@@ -235,6 +236,10 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
                                  host_pool=self.rank == 0 or not layout.shared_host_pool)
         except RegionMismatch as exc:
             raise UnsupportedTopology(f"KV caches do not match their layout: {exc}") from None
+        # NIXL reads and writes this memory for as long as it is registered: hold it
+        # (vLLM's model runner does too, but a caller that let go would have READs land
+        # in freed memory).
+        self._kv_caches = kv_caches
         self.layout, self.backoff = layout, prefill_backoff(layout)
         self.num_blocks = layout.groups[0].num_blocks
         first = kv_caches[layout.groups[0].layers[0]]
