@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -75,31 +76,77 @@ class ReadGroup:
     remote_blocks: np.ndarray
     local_blocks: np.ndarray
     descriptors: int  # one per block run and region pair
+    bases: tuple[np.ndarray, np.ndarray] | None = None  # (local, remote) ``base`` per pair
 
     def indices(self) -> tuple[np.ndarray, np.ndarray]:
-        """NIXL descriptor indices (local, remote) for the whole group."""
-        local = np.concatenate([self.local_blocks + lo.base for _, lo in self.pairs])
-        remote = np.concatenate([self.remote_blocks + r.base for r, _ in self.pairs])
+        """NIXL descriptor indices (local, remote) for the whole group: pair by pair, each
+        pair's blocks in order."""
+        if self.bases is None:
+            self.bases = _bases(self.pairs)
+        local_bases, remote_bases = self.bases
+        local = (local_bases[:, None] + self.local_blocks).ravel()
+        remote = (remote_bases[:, None] + self.remote_blocks).ravel()
         return local.astype(np.int32), remote.astype(np.int32)
 
 
+def _bases(pairs: Sequence[tuple[RegionAt, RegionAt]]) -> tuple[np.ndarray, np.ndarray]:
+    return (np.array([lo.base for _, lo in pairs], dtype=np.int64),
+            np.array([r.base for r, _ in pairs], dtype=np.int64))
+
+
+@dataclass(frozen=True, slots=True)
+class Pairing:
+    """A split's region pairs once `plan_reads` checked them, by (local, remote) kind: what
+    a READ naming the same pairs between the same two sides reuses (``pairings``)."""
+
+    kinds: tuple[tuple[MemoryKind, MemoryKind, tuple[tuple[RegionAt, RegionAt], ...],
+                       tuple[np.ndarray, np.ndarray]], ...]
+    remote_blocks: int  # the fewest blocks of its remote regions
+    local_blocks: int  # ... and of its local ones
+
+
+PAIRINGS_MAX = 256  # pairings one ``pairings`` dict keeps (one per distinct region list)
+
+
 def plan_reads(splits: Sequence[ReadSplit], remote_regions: Mapping[str, RegionAt],
-               local_regions: Mapping[str, RegionAt], peer: str, me: str) -> list[ReadGroup]:
+               local_regions: Mapping[str, RegionAt], peer: str, me: str,
+               pairings: dict[Any, Pairing] | None = None) -> list[ReadGroup]:
     """The transfers a READ needs: one per (split, local kind, remote kind).
 
     Refuses impossible READs (no runs, blocks outside a region, a region
     missing on either side, block sizes that differ) before anything is posted.
+    ``pairings`` (the caller's, for these two region maps only) keeps each split's
+    checked region pairs: a later split naming the same pairs is only checked for its
+    blocks' range (anything else, or a range that fails, takes the full check).
     """
     groups: list[ReadGroup] = []
     for split in splits:
-        runs = _as_array(split.runs)
-        if not len(runs) or not split.regions:
-            raise InvalidRead(f"{me}: a READ split needs block runs and regions")
-        rs, ls, cs = runs[:, 0], runs[:, 1], runs[:, 2]
-        if (cs <= 0).any() or (rs < 0).any() or (ls < 0).any():
-            raise InvalidRead(f"{me}: runs need count > 0 and starts >= 0")
-        r_end, l_end = int((rs + cs).max()), int((ls + cs).max())
-        r_blocks, l_blocks = _expand(rs, ls, cs)
+        small = _small_runs(split.runs)
+        if small is not None:  # the same checks and blocks, without numpy's per-call cost
+            n_runs, r_end, l_end, r_blocks, l_blocks = small
+            if not n_runs or not split.regions:
+                raise InvalidRead(f"{me}: a READ split needs block runs and regions")
+        else:
+            runs = _as_array(split.runs)
+            if not len(runs) or not split.regions:
+                raise InvalidRead(f"{me}: a READ split needs block runs and regions")
+            rs, ls, cs = runs[:, 0], runs[:, 1], runs[:, 2]
+            if (cs <= 0).any() or (rs < 0).any() or (ls < 0).any():
+                raise InvalidRead(f"{me}: runs need count > 0 and starts >= 0")
+            n_runs = len(cs)
+            r_end, l_end = int((rs + cs).max()), int((ls + cs).max())
+            r_blocks, l_blocks = _expand(rs, ls, cs)
+        pairing = None
+        if pairings is not None:
+            try:
+                pairing = pairings.get(split.regions)
+            except TypeError:  # an unhashable region list: checked in full each time
+                pairings = None
+        if pairing is not None and r_end <= pairing.remote_blocks and l_end <= pairing.local_blocks:
+            groups.extend(ReadGroup(lkind, rkind, list(pairs), r_blocks, l_blocks,
+                                    n_runs * len(pairs), bases)
+                          for lkind, rkind, pairs, bases in pairing.kinds)
+            continue
         by_kind: dict[tuple[MemoryKind, MemoryKind], ReadGroup] = {}
         for remote_name, local_name in split.regions:
             remote = remote_regions.get(remote_name)
@@ -123,9 +170,41 @@ def plan_reads(splits: Sequence[ReadSplit], remote_regions: Mapping[str, RegionA
                 group = by_kind[(local.kind, remote.kind)] = ReadGroup(
                     local.kind, remote.kind, [], r_blocks, l_blocks, 0)
             group.pairs.append((remote, local))
-            group.descriptors += len(cs)
+            group.descriptors += n_runs
         groups.extend(by_kind.values())
+        if pairings is not None and len(pairings) < PAIRINGS_MAX:
+            pairs_all = [pair for g in by_kind.values() for pair in g.pairs]
+            pairings[split.regions] = Pairing(
+                tuple((g.lkind, g.rkind, tuple(g.pairs), _bases(g.pairs))
+                      for g in by_kind.values()),
+                min(r.num_blocks for r, _ in pairs_all), min(lo.num_blocks for _, lo in pairs_all))
     return groups
+
+
+_SMALL_BLOCKS = 64  # at most this many blocks: Python ints beat numpy's per-call cost
+
+
+def _small_runs(runs: tuple[BlockRun, ...] | np.ndarray
+                ) -> tuple[int, int, int, np.ndarray, np.ndarray] | None:
+    """(runs, remote end, local end, remote blocks, local blocks) of a short tuple of
+    `BlockRun`, as `plan_reads`'s numpy path finds them; None for anything else (an array,
+    more than ``_SMALL_BLOCKS`` blocks, a run that is not valid: the numpy path refuses it)."""
+    if isinstance(runs, np.ndarray) or not runs or len(runs) > _SMALL_BLOCKS:
+        return None
+    r_blocks: list[int] = []
+    l_blocks: list[int] = []
+    for run in runs:
+        r, loc, c = run.remote_start, run.local_start, run.count
+        if (type(r) is not int or type(loc) is not int or type(c) is not int
+                or c <= 0 or r < 0 or loc < 0 or len(r_blocks) + c > _SMALL_BLOCKS):
+            return None
+        r_blocks.extend(range(r, r + c))
+        l_blocks.extend(range(loc, loc + c))
+    # Runs are ascending within themselves: a run's last block is its largest.
+    r_end = max(run.remote_start + run.count for run in runs)
+    l_end = max(run.local_start + run.count for run in runs)
+    return (len(runs), r_end, l_end, np.array(r_blocks, dtype=np.int64),
+            np.array(l_blocks, dtype=np.int64))
 
 
 def _as_array(runs: tuple[BlockRun, ...] | np.ndarray) -> np.ndarray:

@@ -98,6 +98,7 @@ from .memory import (
     span_rows,
 )
 from .reads import (
+    Pairing,
     ReadGroup,
     ReadSplit,
     RegionAt,
@@ -130,6 +131,10 @@ class _Peer:
     ipc_offer: list | None = None  # its exported VRAM allocations (same node, vram_ipc on)
     ipc: PeerMemory | None = None  # ...mapped here, on the first VRAM READ that needs them
     ipc_tried: bool = False
+    # `plan_reads`'s checked region pairs for READs from this peer into `local`, the local
+    # side they were checked against (a `register` replaces it, and they are dropped)
+    pairings: dict[Any, Pairing] = field(default_factory=dict)
+    pairings_local: _Side | None = None
 
 
 @dataclass(slots=True)
@@ -305,8 +310,10 @@ class NixlTransport:
         p = self._peer(peer)
         if p.removing:
             raise UnknownPeer(f"{self.name}: peer {peer!r} is being removed")
+        if p.pairings_local is not self._local:
+            p.pairings, p.pairings_local = {}, self._local
         groups = plan_reads(splits, p.side.regions, self._local.regions, p.name,
-                            self.name)
+                            self.name, p.pairings)
         self._next_handle += 1
         handle = self._next_handle
         if p.lost:
