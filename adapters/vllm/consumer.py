@@ -585,7 +585,7 @@ class ConsumerHalf:
         for inc in list(self._incoming.values()):
             if inc.repeats:  # ended for good: only waits for its READs to drain
                 self._end_for_good(inc, now)
-            else:
+            elif inc.held:  # (nothing held: nothing to hand over)
                 self._contained("completion", inc.local_id, now, self._drain, inc, now)
 
     def _drain(self, inc: IncomingHandoff, now: float) -> None:
