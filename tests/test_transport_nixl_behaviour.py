@@ -588,3 +588,65 @@ def test_an_idle_agent_sleeps_unless_the_busy_spin_is_asked_for(producer, delay_
         assert low <= used <= high, f"idle agent used {used:.1f} % of a core"
     finally:
         d.close()
+
+
+# --- READ planning: the short path and the kept pairings equal the general one ------------
+
+_KINDS = (MemoryKind.DRAM, MemoryKind.VRAM)
+
+
+def _outcome(splits, remote, local, pairings=None):
+    from kvhandoff.transports.nixl.reads import plan_reads
+
+    try:
+        groups = plan_reads(splits, remote, local, "P", "D", pairings)
+    except Exception as exc:  # noqa: BLE001 - the refusal itself is compared
+        return type(exc), str(exc)
+    return [(g.lkind, g.rkind, g.pairs, g.descriptors, g.remote_blocks.tolist(),
+             g.local_blocks.tolist(), *(i.tolist() for i in g.indices()), g.indices()[0].dtype)
+            for g in groups]
+
+
+def _general(splits):
+    """The same splits with their runs as an array: `plan_reads`'s numpy path."""
+    return [ReadSplit(np.array([[r.remote_start, r.local_start, r.count] for r in s.runs],
+                               dtype=np.int64).reshape(-1, 3), s.regions) for s in splits]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_planning_a_short_read_and_reusing_checked_pairs_gives_what_the_general_path_gives(seed):
+    """`plan_reads` checks and expands a few `BlockRun`s with Python ints and keeps each
+    region list's checked pairs for the next READ: the groups, blocks, descriptor indices
+    and refusals must be the numpy path's, for a READ and for the next one naming the same
+    regions (valid, one block past a region's end, wrong regions, mismatched block sizes)."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    rng = np.random.default_rng(seed)
+
+    def regions(num_blocks, block_bytes):
+        return {f"x{i}": transport_module.RegionAt(
+            _KINDS[int(rng.integers(2))], int(rng.integers(0, 500)), num_blocks[i],
+            int(rng.choice(block_bytes)), 0, 0) for i in range(4)}
+    remote = regions((50, 50, 100, 120), [64, 64, 32])
+    local = regions((200, 200, 200, 50), [64])  # mostly the remote end bounds a READ
+    start = st.sampled_from([0, 1, 44, 45, 46, 47, 48, 49, 50, 94, 95, 99, 100, 115, 119]) | \
+        st.integers(-1, 125)
+    runs = st.lists(st.builds(BlockRun, start, start, st.integers(0, 6)), max_size=8).map(tuple)
+    pairs = st.lists(st.tuples(*(st.sampled_from(["x0", "x1", "x2", "x3", "x4"]),) * 2),
+                     max_size=3).map(tuple)
+    pairings: dict = {}
+
+    @given(pairs, st.lists(runs, min_size=1, max_size=3))
+    def check(names, reads):
+        # ... and READs that end at the remote regions' end, or one block past it
+        end = min((remote[r].num_blocks for r, _ in names if r in remote), default=1)
+        reads = [*reads, (BlockRun(end - 1, 0, 1),), (BlockRun(end - 1, 0, 2),),
+                 (BlockRun(end, 0, 1),)]
+        for read in reads:  # one after another: the later ones may reuse the pairs kept
+            splits = [ReadSplit(read, names)]
+            expected = _outcome(_general(splits), remote, local)
+            assert _outcome(splits, remote, local, pairings) == expected
+            assert _outcome(splits, remote, local) == expected  # checked from scratch
+
+    check()
