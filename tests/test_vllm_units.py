@@ -398,9 +398,23 @@ def test_trusted_producers(entries, host, port, allowed):
     extra = {} if entries is None else {"trusted_producers": entries}
     t = TrustedProducers(HandoffConfig.from_extra(extra, env={}).trusted_producers)
     assert t.allows(host, port) is allowed
-    if not allowed:
-        with pytest.raises(UntrustedProducer, match="trusted_producers"):
+    for _ in range(2):  # the same answer again (check remembers only what it passed)
+        if not allowed:
+            with pytest.raises(UntrustedProducer, match="trusted_producers"):
+                t.check(host, port)
+        else:
             t.check(host, port)
+
+
+def test_a_passed_address_does_not_vouch_for_one_that_compares_equal():
+    """`check` remembers what it passed: a port of True (== 1) is still refused."""
+    from kvhandoff.adapters.vllm.trust import TrustedProducers, UntrustedProducer
+
+    t = TrustedProducers(HandoffConfig.from_extra({"trusted_producers": ["127.0.0.1:1"]},
+                                                  env={}).trusted_producers)
+    t.check("127.0.0.1", 1)
+    with pytest.raises(UntrustedProducer, match="out of range"):
+        t.check("127.0.0.1", True)
 
 
 @pytest.mark.parametrize("bad", [[], "127.0.0.1", [3], ["x:99999"], ["a/b"], ["[::1]x"], ["::1"],
