@@ -16,8 +16,9 @@ from dataclasses import fields
 def slot_builder(cls: type, params: str, values: Mapping[str, str], namespace: Mapping = (),
                  guard: str = "") -> Callable:
     """``build(<params>)`` returning a ``cls`` whose slot ``name`` is set to the Python
-    expression ``values[name]`` (over the parameters and ``namespace``); every slot must
-    be named (the dataclass's fields).  ``guard``, when given, is one statement run first (it may return)."""
+    expression ``values[name]`` (over the parameters and ``namespace``); every field of
+    the dataclass must be named.  ``guard``, when given, is one statement run first (it
+    may return)."""
     missing = {f.name for f in fields(cls)} - set(values)
     if missing:
         raise ValueError(f"{cls.__name__}: no value for slots {sorted(missing)}")

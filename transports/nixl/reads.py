@@ -174,9 +174,10 @@ def plan_reads(splits: Sequence[ReadSplit], remote_regions: Mapping[str, RegionA
         groups.extend(by_kind.values())
         if pairings is not None and len(pairings) < PAIRINGS_MAX:
             pairs_all = [pair for g in by_kind.values() for pair in g.pairs]
+            for g in by_kind.values():  # (this READ's `indices` uses them too)
+                g.bases = _bases(g.pairs)
             pairings[split.regions] = Pairing(
-                tuple((g.lkind, g.rkind, tuple(g.pairs), _bases(g.pairs))
-                      for g in by_kind.values()),
+                tuple((g.lkind, g.rkind, tuple(g.pairs), g.bases) for g in by_kind.values()),
                 min(r.num_blocks for r, _ in pairs_all), min(lo.num_blocks for _, lo in pairs_all))
     return groups
 
@@ -193,6 +194,7 @@ def _small_runs(runs: tuple[BlockRun, ...] | np.ndarray
         return None
     r_blocks: list[int] = []
     l_blocks: list[int] = []
+    r_end = l_end = 0
     for run in runs:
         r, loc, c = run.remote_start, run.local_start, run.count
         if (type(r) is not int or type(loc) is not int or type(c) is not int
@@ -200,9 +202,7 @@ def _small_runs(runs: tuple[BlockRun, ...] | np.ndarray
             return None
         r_blocks.extend(range(r, r + c))
         l_blocks.extend(range(loc, loc + c))
-    # Runs are ascending within themselves: a run's last block is its largest.
-    r_end = max(run.remote_start + run.count for run in runs)
-    l_end = max(run.local_start + run.count for run in runs)
+        r_end, l_end = max(r_end, r + c), max(l_end, loc + c)
     return (len(runs), r_end, l_end, np.array(r_blocks, dtype=np.int64),
             np.array(l_blocks, dtype=np.int64))
 
