@@ -39,7 +39,7 @@ pytest.importorskip("nixl")
 httpx = pytest.importorskip("httpx")
 
 from kvhandoff.adapters.vllm.cluster import free_port  # noqa: E402
-from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY  # noqa: E402
+from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY, DEBUG_HOLD_KEY  # noqa: E402
 from kvhandoff.adapters.vllm.serve import ServeProcess, ServeSpec  # noqa: E402
 from kvhandoff.adapters.vllm.tiny_model import write_tiny_model  # noqa: E402
 from kvhandoff.core.log import read_log  # noqa: E402
@@ -263,7 +263,7 @@ def test_client_disconnects_never_free_blocks_under_a_read(route, stage, stream)
             assert release.notify_only and "finished_recving" not in k, k
             assert "client_cancelled" in k and "rejected" not in k, k
     elif stage == "during_read":
-        slow = {**params, DEBUG_DELAY_KEY: SLOW_READ_S}
+        slow = {**params, DEBUG_DELAY_KEY: SLOW_READ_S, DEBUG_HOLD_KEY: True}
         _request_then_disconnect(route, prompt, slow, stream,
                                  lambda: wait_event(route.d_log, rid, "reads_posted"))
         d_evs = wait_event(route.d_log, rid, "release_sent", SLOW_READ_S + 20)

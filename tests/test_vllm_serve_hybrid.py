@@ -36,7 +36,7 @@ from test_vllm_serve import (  # noqa: E402
     wait_event,
 )
 
-from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY  # noqa: E402
+from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY, DEBUG_HOLD_KEY  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -75,7 +75,7 @@ def test_a_client_gone_during_the_reads_never_lets_p_free_under_them(route):
     prompt = text_prompt(600, 120)
     params = prefill(route, prompt)
     rid = params["remote_request_id"]
-    slow = {**params, DEBUG_DELAY_KEY: SLOW_READ_S}
+    slow = {**params, DEBUG_DELAY_KEY: SLOW_READ_S, DEBUG_HOLD_KEY: True}
     _request_then_disconnect(route, prompt, slow, True,
                              lambda: wait_event(route.d_log, rid, "reads_posted"))
     d_evs = wait_event(route.d_log, rid, "release_sent", SLOW_READ_S + 20)

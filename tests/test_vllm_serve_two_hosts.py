@@ -45,7 +45,7 @@ from test_vllm_serve import (  # noqa: E402
 from two_hosts import D_HOST, P_HOST, STRANGER  # noqa: E402
 
 from kvhandoff.adapters.vllm.cluster import free_port  # noqa: E402
-from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY  # noqa: E402
+from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY, DEBUG_HOLD_KEY  # noqa: E402
 from kvhandoff.adapters.vllm.serve import ServeProcess, ServeSpec  # noqa: E402
 from kvhandoff.adapters.vllm.tiny_model import write_tiny_model  # noqa: E402
 
@@ -126,7 +126,7 @@ def test_a_cancel_during_a_read_between_two_hosts_keeps_p_s_lease(route):
     prompt = text_prompt(1200, 120)
     params = prefill(route, prompt)
     rid = params["remote_request_id"]
-    slow = {**params, DEBUG_DELAY_KEY: SLOW_READ_S}
+    slow = {**params, DEBUG_DELAY_KEY: SLOW_READ_S, DEBUG_HOLD_KEY: True}
     one_host._request_then_disconnect(route, prompt, slow, False,
                                       lambda: wait_event(route.d_log, rid, "reads_posted"))
     d_evs = wait_event(route.d_log, rid, "release_sent", SLOW_READ_S + 20)

@@ -17,6 +17,7 @@ from structlog.testing import capture_logs
 from kvhandoff.adapters.vllm.cluster import free_port
 from kvhandoff.adapters.vllm.config import ConnectorConfigError, HandoffConfig
 from kvhandoff.adapters.vllm.params import (
+    DEBUG_HOLD_KEY,
     MalformedTransferParams,
     RemotePrefill,
     parse_identity,
@@ -38,6 +39,10 @@ def test_params_round_trip():
     hybrid = RemotePrefill("P-1", "req-1", "127.0.0.1", 5600, 1, ((30, 31), (), (7,)), 300, 30.0)
     assert parse_remote_prefill(hybrid.to_wire()) == hybrid
     assert hybrid.to_wire()["remote_block_ids"] == [[30, 31], [], [7]]  # NixlConnector's shape
+    held = RemotePrefill("P-1", "req-1", "127.0.0.1", 5600, 1, ((3,),), 300, 30.0, 2.5,
+                         debug_hold_until_cancelled=True)
+    assert parse_remote_prefill(held.to_wire()) == held
+    assert DEBUG_HOLD_KEY not in GOOD.to_wire()  # off: not on the wire at all
 
 
 @pytest.mark.parametrize("mutate, field", [
@@ -62,6 +67,8 @@ def test_params_round_trip():
     (lambda p: p.pop("cache_layout_version"), "missing field 'cache_layout_version'"),
     (lambda p: p.update(cache_layout_version=True), r"cache_layout_version'\]: expected int"),
     (lambda p: p.update(cache_layout_version="1"), r"cache_layout_version'\]: expected int"),
+    (lambda p: p.update({DEBUG_HOLD_KEY: 1}), r"hold_read_until_cancelled'\]: expected true or false"),
+    (lambda p: p.update({DEBUG_HOLD_KEY: "yes"}), "hold_read_until_cancelled"),
 ])
 def test_malformed_params_name_the_field(mutate, field):
     p = GOOD.to_wire()

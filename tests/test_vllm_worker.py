@@ -152,6 +152,29 @@ def test_cancel_mid_read_keeps_heartbeating_until_the_read_drains(workers):
     assert _same(pc, dc, (7, 8), (20, 21))
 
 
+def test_a_read_held_until_cancelled_is_in_flight_when_the_client_leaves(workers):
+    """``kvhandoff_debug_hold_read_until_cancelled`` (the serve tests and the demos): the
+    delay runs from the client's cancel, so however late an overloaded API server
+    reports the client gone, the READ is still in flight then, and stays so that long."""
+    p, d, pc, dc, port = workers
+    _export(p, "r2h", 2, "tok-2h")
+    params = _params("r2h", port, (7, 8), "tok-2h", debug_read_delay_s=0.3,
+                     debug_hold_until_cancelled=True)
+    d.start_step(StepPlan(admits=[Admit("L2h", params, "", 2 * BLOCK)],
+                          reads=[Read("L2h", [[20, 21]])]))
+    inc = d._incoming["L2h"]
+    # The READ landed long ago (held), and three times the delay has passed since its post:
+    _, recved, _ = _pump(p, d, lambda s, r, f: inc.held and time.monotonic() > inc.posted_at + 0.9)
+    assert _d_state(d, "r2h") is DState.READING and "L2h" not in recved
+    d.start_step(StepPlan(cancels=["L2h"]))
+    _pump(p, d, lambda s, r, f: "r2h" in s and "L2h" in r)
+    d_events = {e.kind: e.t for e in read_log(d.flush()) if e.request_id == "r2h"}
+    assert d_events["split_completed"] - d_events["client_cancelled"] >= 0.3
+    p_kinds = [e.kind for e in read_log(p.flush()) if e.request_id == "r2h"]
+    assert p_kinds.count("freed") == 1 and "lease_expired" not in p_kinds
+    assert _same(pc, dc, (7, 8), (20, 21))
+
+
 def test_a_release_without_the_token_frees_nothing(workers):
     p, d, pc, dc, port = workers
     _export(p, "r3", 1, "tok-3")

@@ -20,7 +20,7 @@ with `ConnectorConfigError`, never discovered mid-request.
 | producer_tp_size       | 0 (unchecked)       | D: P's TP size; a mismatch is refused at start-up     |
 | fence_slots            | 131072              | P: fence slots per rank (8 bytes each, host memory), one per live export; 0: no fence, D asks P instead |
 | debug_read_delay_s     | 0.0                 | tests only: hold each READ's completion this long    |
-| debug_read_delay_param | false               | tests/demo only: honour a request's ``kvhandoff_debug_read_delay_s`` |
+| debug_read_delay_param | false               | tests/demo only: honour a request's ``kvhandoff_debug_read_delay_s`` (and ``kvhandoff_debug_hold_read_until_cancelled``: counted from the client's cancel) |
 | trusted_producers      | $KVHANDOFF_TRUSTED_PRODUCERS or loopback only | D: producers D may connect to (HOST[:PORT] or CIDR[:PORT] entries; the variable: comma-separated) |
 
 ``KVHANDOFF_TRUSTED_PRODUCERS`` (e.g. ``10.0.0.11:5600,10.0.1.0/24:5600``) is

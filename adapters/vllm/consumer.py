@@ -46,6 +46,8 @@ from kvhandoff.transports.base import group_splits
 log = structlog.get_logger(__name__)
 
 
+UNCANCELLED_HOLD_S = 60.0  # a READ held until its client cancels, when none does
+
 _VERDICT_CLASS = {Verdict.UNSAFE: "unsafe", Verdict.PENDING: "unproven", Verdict.FAILED: "failed"}
 
 
@@ -118,10 +120,28 @@ class IncomingHandoff:
     split_bytes: list[int] = field(default_factory=list)  # bytes each split reads
     gave_up: bool = False  # failed by _give_up after an unexpected error
     repeats: int = 0  # errors contained for it after it was given up
-    held: list[tuple[float, int, bool, str]] = field(default_factory=list)
+    held: list[tuple[int, bool, str]] = field(default_factory=list)  # completions not yet due
+    hold_s: float = 0.0  # debug_read_delay_s: how long `held` completions wait
+    hold_until_cancelled: bool = False  # ... counted from the client's cancel
     parked: bool = False  # waiting for the handshake with its P
     pending_read: tuple[list[list[int]], bool] | None = None  # a read that came while parked
     cancelled: bool = False
+    cancelled_at: float | None = None
+
+    def due(self) -> float:
+        """When its READ completions reach the engine: ``hold_s`` after the post, or,
+        held until cancelled, ``hold_s`` after the client's cancel (and, if none comes,
+        `UNCANCELLED_HOLD_S` after the post).
+
+        Held for a cancel, a test's READ is in flight when the client leaves however
+        late an overloaded API server reports the leaving; a plain delay is a race
+        with that report.
+        """
+        if not self.hold_until_cancelled:
+            return self.posted_at + self.hold_s
+        if self.cancelled_at is None:
+            return self.posted_at + UNCANCELLED_HOLD_S
+        return self.cancelled_at + self.hold_s
 
     def in_flight(self, now: float) -> list[int]:
         """READ handles not completed by ``now`` (they own D's pages and P's lease).
@@ -129,8 +149,10 @@ class IncomingHandoff:
         A completion held back by ``debug_read_delay_s`` counts as in flight
         until it is due: the delay stands in for a slow READ.
         """
-        arrived = {handle for due, handle, _, _ in self.held if due <= now}
-        return [h for h in self.handles if h not in arrived]
+        if self.held and self.due() <= now:
+            arrived = {handle for handle, _, _ in self.held}
+            return [h for h in self.handles if h not in arrived]
+        return list(self.handles)
 
 
 class ConsumerHalf:
@@ -337,6 +359,8 @@ class ConsumerHalf:
         if inc is None:
             return
         inc.cancelled = True
+        if inc.cancelled_at is None:
+            inc.cancelled_at = now
         rid = self._rid_of(local_id)
         if rid is not None:
             self._carry_out(self.consumer.cancel(rid, now), now)
@@ -377,6 +401,10 @@ class ConsumerHalf:
             return
         peer = self._peers[self._dial_address(inc.remote)]
         inc.posted_at = now
+        inc.hold_s = self.cfg.debug_read_delay_s
+        if self.cfg.debug_read_delay_param:
+            inc.hold_s = max(inc.hold_s, inc.remote.debug_read_delay_s)
+            inc.hold_until_cancelled = inc.remote.debug_hold_until_cancelled
         try:  # one READ split per cache group that needs one (core.planning)
             plan = plan_group_reads(peer.layout, self.layout, inc.remote.block_ids,
                                     local_block_ids, inc.remote.num_tokens, self.rank,
@@ -571,10 +599,7 @@ class ConsumerHalf:
             if inc is None:
                 log.warning("vllm.worker.completion_for_unknown_handle", handle=c.handle)
                 continue
-            delay = self.cfg.debug_read_delay_s
-            if self.cfg.debug_read_delay_param and inc.remote is not None:
-                delay = max(delay, inc.remote.debug_read_delay_s)
-            inc.held.append((inc.posted_at + delay, c.handle, c.ok, c.reason))
+            inc.held.append((c.handle, c.ok, c.reason))
 
     def _d_drain(self, now: float) -> None:
         """Hand the completions that are due to the engine (`_drain`), request by request,
@@ -590,19 +615,17 @@ class ConsumerHalf:
 
     def _drain(self, inc: IncomingHandoff, now: float) -> None:
         """Hand one request's due READ completions to the engine (see debug_read_delay_s)."""
+        if now < inc.due():
+            return
         rid = inc.remote.request_id if inc.remote else ""
-        keep = []
-        for due, handle, ok, reason in inc.held:
-            if now < due:
-                keep.append((due, handle, ok, reason))
-                continue
+        while inc.held:  # one by one: what an error leaves stays held (arrived, not in flight)
+            handle, ok, reason = inc.held.pop(0)
             split = inc.handles.pop(handle)
             if self.consumer.split_done(rid, split, now, ok, reason) and ok:
                 self._count("bytes_read", inc.split_bytes[split])
                 for bucket in (self.stats, self.total):
                     bucket["read_s"].append(now - inc.posted_at)
                     bucket["read_bytes"].append(inc.split_bytes[split])
-        inc.held = keep
 
     def _d_notifs(self, now: float) -> None:
         for peer, msg in self._notifications():

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvhandoff.adapters.vllm.cluster import PDConfig, PDPair
-from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY
+from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY, DEBUG_HOLD_KEY
 from kvhandoff.adapters.vllm.tiny_model import write_tiny_model
 
 
@@ -141,7 +141,8 @@ def run_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
         for rid in rids:
             p = dict(pre[rid]["kv_transfer_params"] or {})
             if rid in cancel:
-                p[DEBUG_DELAY_KEY] = opts.slow_read_s
+                p[DEBUG_DELAY_KEY] = opts.slow_read_s  # held until that long after the abort
+                p[DEBUG_HOLD_KEY] = True
             if rid == malformed:
                 p["remote_block_ids"] = [[-1, "not-a-block"]]
             params[rid] = p

@@ -10,8 +10,9 @@ HTTP only:
 * the batch, all at once: most requests go through the router (every other
   one streamed) and must equal the reference, text and token ids;
 * some are cancelled mid-read: the router's two halves by hand (P prefills,
-  then D gets P's parameters plus ``kvhandoff_debug_read_delay_s`` so that its
-  READ is held; the router passes P's parameters unchanged, so the delay
+  then D gets P's parameters plus ``kvhandoff_debug_read_delay_s`` and
+  ``kvhandoff_debug_hold_read_until_cancelled`` so that its READ is held until
+  that long after the client left; the router passes P's parameters unchanged, so the delay
   cannot ride through it) and the client hangs up once D's event log shows
   the READ posted; D's log must show the cancel between the READ's post and
   its completion;
@@ -38,7 +39,7 @@ from typing import Any
 
 from kvhandoff.adapters.vllm.cluster import EngineFailed, free_port
 from kvhandoff.adapters.vllm.demo import DemoOptions, analyse_logs, reported
-from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY
+from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY, DEBUG_HOLD_KEY
 from kvhandoff.adapters.vllm.serve import ServeProcess, ServeSpec
 from kvhandoff.adapters.vllm.tiny_model import write_tiny_model
 
@@ -250,7 +251,7 @@ def run_http_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
             params = prefill(i)
             rid = params["remote_request_id"]
             data = json.dumps(run.body(prompts[i], out, kv_transfer_params={
-                **params, DEBUG_DELAY_KEY: opts.slow_read_s})).encode()
+                **params, DEBUG_DELAY_KEY: opts.slow_read_s, DEBUG_HOLD_KEY: True})).encode()
             # A raw socket: an HTTP client would wait for the answer's headers, which a
             # non-streaming request only gets at the end.
             with socket.create_connection(("127.0.0.1", d.spec.port)) as sock:

@@ -22,6 +22,8 @@ MAX_GROUPS = 64
 
 PROTOCOL = "kvhandoff/1"
 DEBUG_DELAY_KEY = "kvhandoff_debug_read_delay_s"
+# With it, the delay runs from the client's cancel, not the READ's post (`ConsumerHalf._due`).
+DEBUG_HOLD_KEY = "kvhandoff_debug_hold_read_until_cancelled"
 FENCE_SLOT_KEY = "kvhandoff_fence_slot"  # absent: the export has no fence
 
 
@@ -44,6 +46,7 @@ class RemotePrefill:
     debug_read_delay_s: float = 0.0  # honoured only where D enables debug_read_delay_param
     token: str = ""  # P's release capability: heartbeats and releases must carry it
     fence_slot: int | None = None  # the export's slot in P's fence region (`core.fence`)
+    debug_hold_until_cancelled: bool = False  # with debug_read_delay_s, where D honours it
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -54,6 +57,7 @@ class RemotePrefill:
             "remote_num_tokens": self.num_tokens, "lease_s": self.lease_s,
             DEBUG_DELAY_KEY: self.debug_read_delay_s, "release_token": self.token,
             **({} if self.fence_slot is None else {FENCE_SLOT_KEY: self.fence_slot}),
+            **({DEBUG_HOLD_KEY: True} if self.debug_hold_until_cancelled else {}),
             "cache_layout_version": LAYOUT_VERSION,
         }
 
@@ -110,6 +114,10 @@ def parse_remote_prefill(params: Any, max_block_id: int = 1 << 31) -> RemotePref
     delay = params.get(DEBUG_DELAY_KEY, 0.0)
     if isinstance(delay, bool) or not isinstance(delay, int | float) or not 0 <= delay <= 600:
         raise MalformedTransferParams(f"kv_transfer_params[{DEBUG_DELAY_KEY!r}]: expected 0..600, found {delay!r}")
+    hold = params.get(DEBUG_HOLD_KEY, False)
+    if type(hold) is not bool:
+        raise MalformedTransferParams(f"kv_transfer_params[{DEBUG_HOLD_KEY!r}]: expected true or "
+                                      f"false, found {hold!r}")
     token = params.get("release_token", "")
     if not isinstance(token, str) or len(token) > 128:
         raise MalformedTransferParams("kv_transfer_params['release_token']: expected a string "
@@ -119,7 +127,7 @@ def parse_remote_prefill(params: Any, max_block_id: int = 1 << 31) -> RemotePref
         raise MalformedTransferParams(f"kv_transfer_params[{FENCE_SLOT_KEY!r}]: expected an "
                                       f"integer in [0, 2**31), found {slot!r}")
     return RemotePrefill(engine, rid, host, port, tp, block_ids, num_tokens, float(lease),
-                         float(delay), token, slot)
+                         float(delay), token, slot, hold)
 
 
 def _block_ids(groups: list, max_block_id: int) -> tuple[tuple[int, ...], ...]:
