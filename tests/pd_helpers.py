@@ -13,7 +13,7 @@ from conftest import wait_for
 
 from kvhandoff.adapters.vllm.cluster import PDPair
 from kvhandoff.adapters.vllm.demo import prompts_for
-from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY
+from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY, DEBUG_HOLD_KEY
 from kvhandoff.core.log import read_log
 
 OUT = 8
@@ -62,8 +62,8 @@ def abort_during_the_reads(pd: PDPair, prompt: list[int], lease_s: float) -> tup
     and P frees once, no earlier than that report.  Returns (params, P's
     events, D's events) for the caller's own checks.
     """
-    slow = lease_s * 1.5
-    rid, params = hand_off(pd, prompt, {DEBUG_DELAY_KEY: slow})
+    slow = lease_s * 1.5  # from the abort on, however late the engine hears it
+    rid, params = hand_off(pd, prompt, {DEBUG_DELAY_KEY: slow, DEBUG_HOLD_KEY: True})
     p_rid = params["remote_request_id"]
     wait_for(lambda: any(e.kind == "reads_posted" for e in events(pd, "D", p_rid)), 60,
              "D to post its reads", interval=0.05)

@@ -22,7 +22,7 @@ pytest.importorskip("nixl")
 
 from kvhandoff.adapters.vllm.cluster import PDConfig, PDPair  # noqa: E402
 from kvhandoff.adapters.vllm.demo import analyse_logs, prompts_for  # noqa: E402
-from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY  # noqa: E402
+from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY, DEBUG_HOLD_KEY  # noqa: E402
 from kvhandoff.adapters.vllm.tiny_model import write_tiny_llama  # noqa: E402
 from kvhandoff.core.log import read_log  # noqa: E402
 
@@ -154,8 +154,8 @@ def test_control_d_follows_p_kv_not_its_own_prompt(pair):
 def test_abort_during_slow_read_keeps_lease_until_finished_recving(pair):
     (prompt,) = prompts_for(1, 250, 250, seed=13)
     (rid,), (params,) = prefill(pair, [prompt], "slow")
-    slow = LEASE_S * 1.5  # the read outlasts a whole lease: only heartbeats keep P's blocks
-    pair.d.add(rid, prompt, OUT, {**params, DEBUG_DELAY_KEY: slow})
+    slow = LEASE_S * 1.5  # the read outlasts a whole lease after the abort: only heartbeats keep P's blocks
+    pair.d.add(rid, prompt, OUT, {**params, DEBUG_DELAY_KEY: slow, DEBUG_HOLD_KEY: True})
     wait_d_event(pair, params["remote_request_id"], "reads_posted")
     pair.d.abort([rid])
     assert pair.d.wait_done([rid])[rid]["finish_reason"] == "aborted"

@@ -152,6 +152,36 @@ def test_cancel_mid_read_keeps_heartbeating_until_the_read_drains(workers):
     assert _same(pc, dc, (7, 8), (20, 21))
 
 
+def test_d_stamps_an_acknowledgement_no_earlier_than_it_collected_it(workers, monkeypatch):
+    """Found by a trace of real engines' logs (CI): D stamped an acknowledgement with the
+    step's clock read from before it collected the notification, 42 µs before P had
+    even received the heartbeat it answers."""
+    p, d, pc, dc, port = workers
+    collected: dict[tuple[str, float], float] = {}  # (request, heartbeat sent_at) -> when
+    recv = d.transport.recv_notifs
+
+    def recv_notifs():
+        notes = recv()
+        at = time.monotonic()
+        for note in notes:
+            msg = messages.decode(note.message)
+            if isinstance(msg, messages.HeartbeatAck):
+                for rid in msg.time_left:
+                    collected.setdefault((rid, msg.sent_at), at)
+        return notes
+    monkeypatch.setattr(d.transport, "recv_notifs", recv_notifs)
+    for i in range(3):  # no fence slot: D proves the lease by asking P
+        _export(p, f"ra{i}", 2, f"tok-a{i}")
+        params = _params(f"ra{i}", port, (5 + i, 9), f"tok-a{i}", fence_slot=None)
+        d.start_step(StepPlan(admits=[Admit(f"La{i}", params, "", 2 * BLOCK)],
+                              reads=[Read(f"La{i}", [[1, 2]])]))
+        _pump(p, d, lambda s, r, f, i=i: f"ra{i}" in s and f"La{i}" in r)
+    acks = [e for e in read_log(d.flush()) if e.kind == "lease_acknowledged"]
+    assert acks and all((e.request_id, e.sent_at) in collected for e in acks)
+    assert all(e.t >= collected[e.request_id, e.sent_at] for e in acks), [
+        (e.request_id, e.t - collected[e.request_id, e.sent_at]) for e in acks]
+
+
 def test_a_read_held_until_cancelled_is_in_flight_when_the_client_leaves(workers):
     """``kvhandoff_debug_hold_read_until_cancelled`` (the serve tests and the demos): the
     delay runs from the client's cancel, so however late an overloaded API server

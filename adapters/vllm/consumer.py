@@ -627,8 +627,13 @@ class ConsumerHalf:
                     bucket["read_s"].append(now - inc.posted_at)
                     bucket["read_bytes"].append(inc.split_bytes[split])
 
+    def _d_receive(self) -> None:
+        """Collect notifications (before the caller reads the clock, as `_d_poll`)."""
+        self._d_received.extend(self._notifications())
+
     def _d_notifs(self, now: float) -> None:
-        for peer, msg in self._notifications():
+        received, self._d_received = self._d_received, []
+        for peer, msg in received:
             self.consumer.on_notification(peer, msg, now)
 
     def _d_engine(self, now: float) -> None:

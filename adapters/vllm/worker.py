@@ -140,6 +140,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self._report_failed: set[str] = set()  # of those, failed
         self.fence_reader: FenceReader | None = None  # D: its fence READs, once registered
         self._fence_landed: list[tuple[str, int | None, float]] = []  # for the engine
+        self._d_received: list[tuple[str, messages.Message]] = []  # D: notifications, for it
         log.info("vllm.worker.started", engine=engine_id, side=side.value, rank=rank,
                  event_log=self.log_path)
 
@@ -319,8 +320,11 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
                 self._stage("lost_producers", self._drop_lost_producers)
                 self._stage("handshakes", self._finish_handshakes, now)
                 self._stage("poll", self._d_poll)
-                # Read after the receipt: what the poll brought in is stamped no earlier
-                # than it arrived (a READ's completion time decides whether it was safe).
+                self._stage("receive", self._d_receive)
+                # Read after the receipt: what the poll and the receive brought in is
+                # stamped no earlier than it arrived (a READ's completion time decides
+                # whether it was safe; an acknowledgement never precedes P's receipt
+                # of the heartbeat it answers).
                 now = max(now, time.monotonic())
                 self._stage("drain", self._d_drain, now)
                 self._stage("notifications", self._d_notifs, now)
