@@ -11,11 +11,11 @@ HTTP only:
   one streamed) and must equal the reference, text and token ids;
 * some are cancelled mid-read: the router's two halves by hand (P prefills,
   then D gets P's parameters plus ``kvhandoff_debug_read_delay_s`` and
-  ``kvhandoff_debug_hold_read_until_cancelled`` so that its READ is held until
-  that long after the client left; the router passes P's parameters unchanged, so the delay
-  cannot ride through it) and the client hangs up once D's event log shows
-  the READ posted; D's log must show the cancel between the READ's post and
-  its completion;
+  ``kvhandoff_debug_hold_read_until_cancelled``, so that its READ is held
+  until that long after the client left; the router passes P's parameters
+  unchanged, so the delay cannot ride through it) and the client hangs up
+  once D's event log shows the READ posted; D's log must show the cancel
+  between the READ's post and its completion;
 * one request gives D garbage ``kv_transfer_params`` directly: it must fail
   (non-2xx) and the engines go on;
 * then P must free every exported request exactly once, no engine process

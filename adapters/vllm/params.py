@@ -22,7 +22,7 @@ MAX_GROUPS = 64
 
 PROTOCOL = "kvhandoff/1"
 DEBUG_DELAY_KEY = "kvhandoff_debug_read_delay_s"
-# With it, the delay runs from the client's cancel, not the READ's post (`ConsumerHalf._due`).
+# With it, the delay runs from the client's cancel, not the READ's post (`IncomingHandoff.due`).
 DEBUG_HOLD_KEY = "kvhandoff_debug_hold_read_until_cancelled"
 FENCE_SLOT_KEY = "kvhandoff_fence_slot"  # absent: the export has no fence
 
