@@ -418,19 +418,26 @@ def test_events_reach_the_os_every_step_without_a_flush(workers):
     assert "release_sent" in _kinds(d, "r9") and _kinds(p, "r9")[-2:] == ["freed", "forgotten"]
 
 
-def test_an_exception_answering_one_notification_costs_only_that_one(workers, monkeypatch):
+@pytest.mark.parametrize("side", ["P", "D"])
+def test_an_exception_answering_one_notification_costs_only_that_one(workers, monkeypatch, side):
+    """P's answer to a heartbeat, or D's taking of P's acknowledgement, raises once: that
+    notification is counted ignored and logged, the rest of its batch and the request go on."""
     p, d, pc, dc, port = workers
+    engine = p.producer if side == "P" else d.consumer
     fired: list[int] = []
-    real = p.producer.on_notification
+    real = engine.on_notification
 
     def answer(*args, **kwargs):
         if not fired:
             fired.append(1)
-            raise RuntimeError("injected into P's heartbeat answer")
+            raise RuntimeError(f"injected into {side}'s notification handling")
         return real(*args, **kwargs)
-    monkeypatch.setattr(p.producer, "on_notification", answer)
+    monkeypatch.setattr(engine, "on_notification", answer)
     with capture_logs() as logs:
-        _done_handoff(p, d, port, "r10", "L10", (12,), "tok-10", [12])
+        _export(p, "r10", 1, "tok-10")
+        params = _params("r10", port, (12,), "tok-10", fence_slot=None)  # D asks P: an ack comes
+        d.start_step(StepPlan(admits=[Admit("L10", params, "", BLOCK)], reads=[Read("L10", [[12]])]))
+        _pump(p, d, lambda s, r, f: "r10" in s and "L10" in r)
     assert fired and [e["event"] for e in logs if e["log_level"] == "error"] == [
         "vllm.worker.notification_error"]
     assert _same(pc, dc, (12,), (12,)) and _kinds(p, "r10").count("freed") == 1

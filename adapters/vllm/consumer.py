@@ -633,8 +633,8 @@ class ConsumerHalf:
 
     def _d_notifs(self, now: float) -> None:
         received, self._d_received = self._d_received, []
-        for peer, msg in received:
-            self.consumer.on_notification(peer, msg, now)
+        for peer, msg in received:  # one peer's odd message must not cost the others theirs
+            self._one("notification", self.consumer.on_notification, peer, msg, now, peer=peer)
 
     def _d_engine(self, now: float) -> None:
         """The engine's turn: READ deadlines, reports, heartbeats; then what vLLM must hear.

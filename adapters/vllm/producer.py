@@ -7,7 +7,7 @@ over with the sender the transport vouches for, sends the answers the engine
 returns, tells it what the scheduler saw, and reports the frees it names to
 vLLM (``finished_sending``).  The notification thread runs `_notif_loop`; the
 engine thread runs `_p_step` once per engine step.  Each notification and
-each request's step runs contained (`_p_contained`): an error costs only that
+each request's step runs contained (`_one`): an error costs only that
 one, never the thread or vLLM's engine loop.
 
 The notification thread and the GIL
@@ -99,7 +99,7 @@ class ProducerHalf:
             # one peer's odd message must not cost the others theirs.  The
             # sender is the peer agent (unique per process), not what the
             # message claims: a restarted D or a replayed request is another peer.
-            self._p_contained("notification", self._p_notification, peer, msg, now, peer=peer)
+            self._one("notification", self._p_notification, peer, msg, now, peer=peer)
 
     def _p_notification(self, peer: str, msg: messages.Message, now: float) -> None:
         self._p_send(self.producer.on_notification(peer, msg, now))
@@ -112,30 +112,18 @@ class ProducerHalf:
             except Exception as exc:
                 log.warning("vllm.worker.ack_failed", peer=peer, error=str(exc))
 
-    def _p_contained(self, what: str, step: Any, *args: Any, peer: str = "",
-                     request_id: str = "") -> None:
-        """Run one notification's or one request's ``step``; an error costs only that one."""
-        try:
-            step(*args)
-        except Exception as exc:
-            if what == "notification":
-                self._count("notifications_ignored")
-            log.error(f"vllm.worker.{what}_error", peer=peer or None,
-                      request_id=request_id or None, error=str(exc),
-                      error_type=type(exc).__name__)
-
     def _p_plan(self, plan: StepPlan, now: float) -> None:
         """What the scheduler saw this step: prefills started, exported, aborted."""
         engine = self.producer
         for rid in plan.prefill_started:
-            self._p_contained("plan", engine.prefill_started, rid, now, request_id=rid)
+            self._one("plan", engine.prefill_started, rid, now, request_id=rid)
         for ex in plan.exports:
             slot = ex.fence_slot
             if self.fence is None or slot is None or not 0 <= slot < len(self.fence):
                 slot = None
                 if self.fence is not None:  # every slot was live: D proves it by asking P
                     self._count("exports_unfenced")
-            self._p_contained("plan", engine.exported, ex.request_id, now, ex.num_blocks,
+            self._one("plan", engine.exported, ex.request_id, now, ex.num_blocks,
                               (self.rank,), ex.token, None, slot, request_id=ex.request_id)
             rec = engine.state.record(engine.stream, ex.request_id)
             if rec is None or rec.state in (PState.NEW, PState.PREFILLING):
@@ -145,10 +133,10 @@ class ProducerHalf:
                 log.error("vllm.worker.export_failed_freed_now", request_id=ex.request_id)
                 # End its record (aborted: freed by the host engine, not named again), so
                 # P does not count it live nor hold D's heartbeat for it back a lease.
-                self._p_contained("plan", engine.aborted, ex.request_id, now, "export failed",
+                self._one("plan", engine.aborted, ex.request_id, now, "export failed",
                                   request_id=ex.request_id)
         for rid in plan.aborted:
-            self._p_contained("plan", engine.aborted, rid, now, "finished on P before export",
+            self._one("plan", engine.aborted, rid, now, "finished on P before export",
                               request_id=rid)
 
     def _p_step(self, now: float) -> None:

@@ -220,6 +220,18 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
             log.error("vllm.worker.step_error", stage=name, error=str(exc),
                       error_type=type(exc).__name__)
 
+    def _one(self, what: str, step: Any, *args: Any, peer: str = "",
+             request_id: str = "") -> None:
+        """Run one notification's or one request's ``step``; an error costs only that one."""
+        try:
+            step(*args)
+        except Exception as exc:
+            if what == "notification":
+                self._count("notifications_ignored")
+            log.error(f"vllm.worker.{what}_error", peer=peer or None,
+                      request_id=request_id or None, error=str(exc),
+                      error_type=type(exc).__name__)
+
     # ---- registration ------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any], layout: CacheLayout) -> None:
