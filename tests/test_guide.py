@@ -9,10 +9,12 @@
   (P ``exported`` and ``freed`` it once, D ``finished_recving``) and replay
   clean.  The recipe's ports are fixed (a user copies them): the test checks
   they are free first and fails naming them otherwise.
+* ``make demo``, the README's main job, as printed: its summary and D's
+  event log (every cancel landed mid-read).
 * ``kvhandoff demo --http --json`` as the README prints it: the demo through
   two ``vllm serve`` engines and the router, its JSON object checked.
 
-Both start real engines (about a minute each test on 2 cores).
+Each starts real engines (about a minute each test on 2 cores).
 """
 
 from __future__ import annotations
@@ -147,6 +149,34 @@ def test_the_cpu_recipe_runs_as_printed(tmp_path):
         assert check.returncode == 0, check.stdout + check.stderr
     finally:
         kill_group(proc.pid)
+
+
+# ---- make demo: the README's main job -------------------------------------------
+
+def test_make_demo_runs_as_the_readme_prints_it(tmp_path):
+    """`make demo` (setup is done: it runs `kvhandoff demo`): two in-process engines, a
+    batch with three requests cancelled mid-read and one malformed, checked and replayed."""
+    assert "\n    make demo\n" in README.read_text()
+    result = subprocess.run(["make", "demo"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=800, env={**os.environ, "TMPDIR": str(tmp_path),
+                                              "COLUMNS": "400"})  # rich: one line per line
+    out = result.stdout
+    assert result.returncode == 0, (out[-3000:], result.stderr[-3000:])
+    assert "pip install" not in out  # setup was done: make ran the demo only
+    assert re.search(r"requests 12: completed 8, cancelled mid-read 3, rejected \(malformed "
+                     r"params\) 1", out), out
+    assert "tokens equal the single-engine greedy reference: yes" in out, out
+    assert "replay --check: 0 violations" in out, out
+    (logs,) = re.findall(r"event logs: (.*)", out)
+    d_log = next(Path(p) for p in logs.split() if ".D0." in p)
+    assert d_log.is_relative_to(tmp_path)
+    by_request: dict[str, list[str]] = {}
+    for e in read_log(d_log):
+        by_request.setdefault(e.request_id, []).append(e.kind)
+    cancelled = [k for k in by_request.values() if "client_cancelled" in k]
+    assert len(cancelled) == 3, by_request
+    for k in cancelled:  # each cancel landed while its READ was in flight
+        assert k.index("reads_posted") < k.index("client_cancelled") < k.index("split_completed"), k
 
 
 # ---- kvhandoff demo --http -----------------------------------------------------

@@ -129,9 +129,6 @@ def run(args: argparse.Namespace) -> int:
                              f"--cancel ({args.cancel}) + 2: one through the router, one "
                              f"malformed\n")
             return 2
-        # vLLM's API server notices a client's hang-up between its own steps: hold the
-        # cancelled requests' READs long enough for the cancel to land mid-read.
-        opts.slow_read_s = 2.5
         run_it, ok, show = run_http_demo, http_demo_ok, _print_http_human
     else:
         run_it, ok, show = run_demo, demo_ok, _print_human

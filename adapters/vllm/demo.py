@@ -5,9 +5,10 @@ sliding-window and full-attention layers are two KV cache groups, or a
 Mamba2 whose state is one), starts a prefill (P) and a decode (D) engine
 with `KVHandoffConnector` over NIXL host memory, and sends a batch through
 P → D the way a disaggregating router does.  Some requests are cancelled by
-the client while their READs are in flight (their reads are slowed on
-purpose so the cancel lands mid-read), one carries malformed transfer
-parameters.  It checks every completed request against a single-engine
+the client while their READs are in flight (the abort comes once D has
+posted them, and D holds them on purpose until ``slow_read_s`` after it,
+``kvhandoff_debug_hold_read_until_cancelled``), one carries malformed
+transfer parameters.  It checks every completed request against a single-engine
 greedy reference (P decoding the same prompt by itself), replays both event
 logs with the core's invariant check, and summarizes.
 """
@@ -37,7 +38,6 @@ class DemoOptions:
     output_tokens: int = 16
     lease_s: float = 10.0
     slow_read_s: float = 1.5
-    cancel_after_s: float = 0.4
     seed: int = 0
     workdir: str | None = None
 
@@ -88,6 +88,14 @@ def analyse_logs(paths: list[str]) -> dict[str, Any]:
                                     and getattr(e, "notify_only", False)),
         "freed_under_read": summary["freed_under_read"],
     }
+
+
+def _posted(paths: list[str]) -> set[str]:
+    """P's ids of the requests whose READs D's (live) event logs show posted."""
+    from kvhandoff.core.log import read_log
+
+    return {e.request_id for path in paths if Path(path).exists()
+            for e in read_log(path) if e.kind == "reads_posted"}
 
 
 def wait_for_frees(pair: PDPair, timeout_s: float) -> dict[str, Any]:
@@ -150,7 +158,11 @@ def run_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
         say("decode", f"{n} requests on D ({len(cancel)} cancelled mid-read, 1 malformed)")
         for rid, prompt in zip(rids, prompts, strict=True):
             pair.d.add(rid, prompt, opts.output_tokens, params[rid])
-        time.sleep(opts.cancel_after_s)
+        # Their READs are held from the abort on: abort once D has posted them all.
+        held = {params[rid]["remote_request_id"] for rid in cancel}
+        deadline = time.monotonic() + 60
+        while not held <= _posted(pair.d.event_logs) and time.monotonic() < deadline:
+            time.sleep(0.05)
         pair.d.abort(sorted(cancel))
         done = pair.d.wait_done(rids, timeout_s=120)
 
