@@ -53,8 +53,7 @@ from typing import Any
 
 from kvhandoff.adapters.bench.vllm import CONNECTORS, MODELS, _logs_to_stderr
 from kvhandoff.adapters.vllm.cluster import EngineFailed, free_port
-from kvhandoff.adapters.vllm.demo import analyse_logs
-from kvhandoff.adapters.vllm.http_demo import _events, _wait
+from kvhandoff.adapters.vllm.demo import _events, _wait, analyse_logs
 from kvhandoff.adapters.vllm.serve import ServeProcess, ServeSpec
 from kvhandoff.adapters.vllm.tiny_model import TINY_MODEL_KINDS, write_tiny_model
 

@@ -125,8 +125,11 @@ class IncomingHandoff:
     hold_until_cancelled: bool = False  # ... counted from the client's cancel
     parked: bool = False  # waiting for the handshake with its P
     pending_read: tuple[list[list[int]], bool] | None = None  # a read that came while parked
-    cancelled: bool = False
-    cancelled_at: float | None = None
+    cancelled_at: float | None = None  # when the client cancelled (None: it has not)
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancelled_at is not None
 
     def due(self) -> float:
         """When its READ completions reach the engine: ``hold_s`` after the post, or,
@@ -358,7 +361,6 @@ class ConsumerHalf:
         inc = self._incoming.get(local_id)
         if inc is None:
             return
-        inc.cancelled = True
         if inc.cancelled_at is None:
             inc.cancelled_at = now
         rid = self._rid_of(local_id)

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvhandoff.adapters.vllm.cluster import EngineFailed, free_port
-from kvhandoff.adapters.vllm.demo import DemoOptions, analyse_logs, reported
+from kvhandoff.adapters.vllm.demo import DemoOptions, _events, _wait, analyse_logs, reported
 from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY, DEBUG_HOLD_KEY
 from kvhandoff.adapters.vllm.serve import ServeProcess, ServeSpec
 from kvhandoff.adapters.vllm.tiny_model import write_tiny_model
@@ -52,24 +52,6 @@ def text_prompts(n: int, lo: int, hi: int, seed: int) -> list[str]:
     """``n`` text prompts of ``lo``..``hi`` words (the tiny tokenizer: ~2-4 tokens a word)."""
     rng = random.Random(seed)
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi))) for _ in range(n)]
-
-
-def _events(path: Path, rid: str | None = None) -> list:
-    from kvhandoff.core.log import read_log
-
-    if not path.exists():
-        return []
-    evs = read_log(path)  # a live log: a torn last line is dropped with a warning
-    return evs if rid is None else [e for e in evs if e.request_id == rid]
-
-
-def _wait(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(interval_s)
-    return value
 
 
 def _processes(server: ServeProcess) -> set[tuple[int, float]]:
