@@ -3,8 +3,9 @@
     {"v":1,"type":"exported","rid":"req-7","engine":"prefill-0","side":"P","rank":0,
      "seq":12,"t":103.25,"lease_s":30.0,"consumer_ranks":[0,1],"num_blocks":4}
 
-Writing is buffered (`LogWriter`); ``flush`` at the points where losing the
-tail would hurt.  Reading (`read_log`, `read_logs`) checks every line: bad
+Writing is buffered in memory (`LogWriter`); ``flush`` at the points where
+losing the tail would hurt.  Recording never raises: a failed write keeps its
+lines for the next flush.  Reading (`read_log`, `read_logs`) checks every line: bad
 JSON, an unknown event type, a field of the wrong type, a sequence gap or
 repeat within a stream raise `LogCorrupt` naming the file and line.  A torn
 last line (a crash mid-write: no final newline and not parseable) is dropped
@@ -74,23 +75,66 @@ def encode_event(event: Event) -> bytes:
 
 
 class LogWriter:
-    """Append events to a JSONL file through a large buffer."""
+    """Append events to a JSONL file through an in-memory buffer.
 
-    def __init__(self, path: str | os.PathLike, buffer_bytes: int = 1 << 16) -> None:
+    Recording an event never raises: the engines record an event after their
+    fold has taken it, so a recording that raised would lose a decision
+    already made (a free, a report) on a full disk.  Lines wait in memory and
+    are written when ``buffer_bytes`` wait, or by `flush`.  A write that fails
+    (``ENOSPC``, ``EIO``) keeps every line not written, in order, for the next
+    attempt; `flush` raises that error for the caller to count, recording only
+    stops trying until the next `flush`.  Past ``max_pending_bytes`` unwritten
+    (a disk that stays full) new lines are dropped and counted in ``dropped``,
+    so memory stays bounded; the file then has a sequence gap, which replay
+    names.
+    """
+
+    def __init__(self, path: str | os.PathLike, buffer_bytes: int = 1 << 16,
+                 max_pending_bytes: int = 1 << 26) -> None:
         self.path = os.fspath(path)
-        self._file = open(self.path, "ab", buffering=buffer_bytes)  # noqa: SIM115 - owned
+        self.buffer_bytes, self.max_pending_bytes = buffer_bytes, max_pending_bytes
+        self.dropped = 0  # lines dropped while max_pending_bytes waited unwritten
+        self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - owned
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._failing = False  # the last write failed: recording leaves it to flush
 
     def __call__(self, event: Event) -> None:
-        self._file.write(encode_event(event) + b"\n")
+        line = encode_event(event) + b"\n"
+        if self._pending_bytes >= self.max_pending_bytes:
+            self.dropped += 1
+            return
+        self._pending.append(line)
+        self._pending_bytes += len(line)
+        if self._pending_bytes >= self.buffer_bytes and not self._failing:
+            try:
+                self.flush()
+            except OSError:
+                pass  # kept; the caller's flush raises it again
 
     write = __call__
 
     def flush(self) -> None:
-        self._file.flush()
+        """Write every waiting line; on an error keep what was not written and raise it."""
+        if not self._pending:
+            return
+        data = memoryview(b"".join(self._pending))
+        self._pending, self._pending_bytes = [], 0
+        try:
+            while data:
+                data = data[self._file.write(data):]
+        except OSError:
+            self._failing = True
+            self._pending, self._pending_bytes = [bytes(data)], len(data)
+            raise
+        self._failing = False
 
     def close(self) -> None:
         if not self._file.closed:
-            self._file.close()
+            try:
+                self.flush()
+            finally:
+                self._file.close()
 
     def __enter__(self) -> LogWriter:
         return self

@@ -122,7 +122,8 @@ def decode(data: bytes) -> Message:
         raise MalformedMessage(f"notification must be an object, found {type(obj).__name__}")
     if obj.get("v") != WIRE_VERSION:
         raise MalformedMessage(f"unsupported wire version {obj.get('v')!r}, expected {WIRE_VERSION}")
-    cls = _KINDS.get(obj.get("k"))
+    kind = obj.get("k")
+    cls = _KINDS.get(kind) if type(kind) is str else None
     if cls is None:
         raise MalformedMessage(f"unknown notification kind {obj.get('k')!r}")
     what = cls.__name__

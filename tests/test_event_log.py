@@ -47,6 +47,59 @@ def test_writer_is_buffered_until_flush(tmp_path):
         assert path.read_bytes().count(b"\n") == 1
 
 
+class _FullDisk:
+    """A file whose writes fail with ENOSPC until ``room`` is set; then they succeed,
+    at most ``chunk`` bytes per write (partial writes, as a kernel may do)."""
+
+    def __init__(self, path, chunk=100):
+        self.real, self.room, self.chunk, self.failures = open(path, "ab", buffering=0), False, chunk, 0
+        self.closed = False
+
+    def write(self, data):
+        if not self.room:
+            self.failures += 1
+            raise OSError(28, "No space left on device")
+        return self.real.write(bytes(data[:self.chunk]))
+
+    def close(self):
+        self.closed = True
+        self.real.close()
+
+
+def test_recording_never_raises_and_a_failed_write_loses_nothing(tmp_path):
+    path = tmp_path / "f.jsonl"
+    stream = ledger_in(PState.EXPORTED).stream
+    events = [HeartbeatReceived(RID, stream, seq, float(seq), from_engine="d")
+              for seq in range(50)]
+    writer = LogWriter(path, buffer_bytes=300)
+    writer._file = disk = _FullDisk(path)
+    for e in events[:30]:
+        writer(e)  # the disk is full: recording still returns
+    assert disk.failures == 1  # one attempt when the buffer filled; then it waits for flush
+    with pytest.raises(OSError):
+        writer.flush()  # the caller hears the failure (it counts it and serves on)
+    disk.room = True
+    for e in events[30:]:
+        writer(e)
+    writer.close()
+    assert read_log(path) == events  # every event once, in order, across partial writes
+    assert writer.dropped == 0
+
+
+def test_a_disk_that_stays_full_bounds_the_memory_and_counts_what_it_dropped(tmp_path):
+    path = tmp_path / "g.jsonl"
+    stream = ledger_in(PState.EXPORTED).stream
+    writer = LogWriter(path, buffer_bytes=100, max_pending_bytes=1000)
+    writer._file = disk = _FullDisk(path)
+    for seq in range(100):
+        writer(HeartbeatReceived(RID, stream, seq, float(seq), from_engine="d"))
+    assert 0 < writer._pending_bytes < 1000 + 200 and writer.dropped > 80
+    disk.room = True
+    writer.close()
+    kept = path.read_bytes().count(b"\n")
+    assert kept + writer.dropped == 100 and kept > 0
+
+
 def test_torn_last_line_is_dropped_with_a_warning_and_keeps_the_rest(tmp_path):
     path, written, _ = _log_of(tmp_path, PState.FREED)
     data = path.read_bytes()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvhandoff.core.errors import MalformedMessage
 from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Release, decode, encode
@@ -24,6 +27,8 @@ def test_round_trip(msg):
     (b"[1]", "must be an object"),
     (b'{"v":2,"k":"rel"}', "unsupported wire version 2"),
     (b'{"v":1,"k":"steal"}', "unknown notification kind 'steal'"),
+    (b'{"v":1,"k":[]}', r"unknown notification kind \[\]"),
+    (b'{"v":1,"k":{"a":1}}', "unknown notification kind"),
     (b'{"v":1,"k":"rel","engine":"d","rank":0}', "Release: missing field 'request_id'"),
     (b'{"v":1,"k":"rel","engine":"d","rank":-1,"request_id":"r"}', "'rank' must be >= 0"),
     (b'{"v":1,"k":"rel","engine":"d","rank":true,"request_id":"r"}', "'rank' must be int"),
@@ -39,3 +44,24 @@ def test_round_trip(msg):
 def test_malformed_notifications_are_refused_with_the_reason(data, message):
     with pytest.raises(MalformedMessage, match=message):
         decode(data)
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8)
+_fields = st.fixed_dictionaries(
+    {"v": st.just(1) | _json, "k": st.sampled_from(["rel", "hb", "ack"]) | _json},
+    optional={name: _json for name in ("engine", "rank", "request_id", "token", "sent_at",
+                                       "request_ids", "tokens", "time_left")})
+
+
+@given(_fields)
+def test_whatever_a_peer_sends_decodes_or_is_refused_as_malformed(obj):
+    """A peer's bytes never raise anything but `MalformedMessage` (the worker contains that)."""
+    try:
+        msg = decode(orjson.dumps(obj))
+    except MalformedMessage:
+        return
+    assert decode(encode(msg)) == msg
