@@ -69,6 +69,12 @@ def test_params_round_trip():
     (lambda p: p.update(cache_layout_version="1"), r"cache_layout_version'\]: expected int"),
     (lambda p: p.update({DEBUG_HOLD_KEY: 1}), r"hold_read_until_cancelled'\]: expected true or false"),
     (lambda p: p.update({DEBUG_HOLD_KEY: "yes"}), "hold_read_until_cancelled"),
+    # Logged as text by D: a control character would forge or rewrite a log line.
+    (lambda p: p.update(remote_request_id="r\x1b[2K\rvllm.worker.ok"), r"remote_request_id'\]: expected printable"),
+    (lambda p: p.update(remote_request_id="r\u2028x"), "remote_request_id"),
+    (lambda p: p.update(remote_engine_id="P\x85x"), r"remote_engine_id'\]: expected printable"),
+    (lambda p: p.update(remote_host="h\x0bx"), "remote_host"),
+    (lambda p: p.update(release_token="t\nx"), "release_token"),
 ])
 def test_malformed_params_name_the_field(mutate, field):
     p = GOOD.to_wire()
@@ -146,6 +152,8 @@ def test_side_channel_handshake_swaps_metadata_and_refuses_mismatches():
         assert md == b"P-META" and hello["engine_id"] == "P-1" and seen == [("D-1", b"D-META")]
         with pytest.raises(HandshakeFailed, match="block_size"):
             handshake("127.0.0.1", port, "D-2", 0, {**COMPAT, "block_size": 16}, b"x", 5.0)
+        with pytest.raises(HandshakeFailed, match="engine_id must be 1..256 printable"):
+            handshake("127.0.0.1", port, "D-\x1b[2K", 0, COMPAT, b"x", 5.0)
         assert len(seen) == 1  # a refused peer is never added
     finally:
         server.close()
@@ -232,6 +240,26 @@ def test_prefill_side_exports_with_a_token_or_reports_an_abort():
     plan = s.build_plan()
     assert plan.prefill_started == ["p1", "p2"] and plan.aborted == ["p2"]
     assert [(e.request_id, e.num_blocks, e.token) for e in plan.exports] == [("p1", 3, parsed.token)]
+
+
+def test_an_export_that_raises_ends_ps_record_and_exports_nothing():
+    """P's ``request_finished`` raises while exporting (here: block lists that do not
+    match the layout): nothing is exported, vLLM frees the pages, and P's worker hears
+    the abort, so the record it started does not stay live for ever."""
+    from vllm.v1.request import RequestStatus
+
+    s = _sched(producer=True)
+    r = _request("p3", params={"do_remote_decode": True},
+                 status=RequestStatus.FINISHED_LENGTH_CAPPED)
+    s.on_new_request(r)
+    s.update_state_after_alloc(r, _blocks([1, 2, 3]), 0)
+    with capture_logs() as logs:
+        assert s.request_finished(r, ([4, 5, 6], [7])) == (False, None)  # one group too many
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == [
+        "vllm.scheduler.request_error"]
+    plan = s.build_plan()
+    assert plan.prefill_started == ["p3"] and plan.aborted == ["p3"] and not plan.exports
+    assert s.request_finished(r, ([4, 5, 6],)) == (False, None)  # forgotten: asked again, nothing
 
 
 def test_each_live_export_holds_one_fence_slot_given_back_when_p_freed_it():
@@ -774,3 +802,27 @@ def test_a_free_port_is_outside_the_kernels_ephemeral_range_and_so_are_the_next(
     with socket.socket() as a, socket.socket() as b, socket.socket() as c:
         for s, k in ((a, 0), (b, 1), (c, 2)):
             s.bind(("127.0.0.2", port + k))
+
+
+def test_what_a_serving_engine_keeps_for_its_timings_and_medians_is_bounded():
+    """Under `vllm serve` nobody takes the scheduler's timings, and a worker's cumulative
+    READ samples live as long as the engine: both keep only the newest."""
+    from kvhandoff.adapters.vllm import stats as kstats
+    from kvhandoff.adapters.vllm import timing
+
+    saved = dict(timing._TIMINGS)
+    timing._TIMINGS.clear()
+    try:
+        for i in range(timing.KEEP + 10):
+            timing.note(f"r{i}", "scheduled", float(i))
+        assert len(timing._TIMINGS) == timing.KEEP and "r0" not in timing._TIMINGS
+        timing.note(f"r{timing.KEEP + 9}", "recved", 1e6)
+        assert timing.transfer_ms(timing.take(f"r{timing.KEEP + 9}")) == (1e6 - timing.KEEP - 9) * 1e3
+    finally:
+        timing._TIMINGS.clear()
+        timing._TIMINGS.update(saved)
+    data = kstats.empty()
+    for i in range(10 * kstats.READ_SAMPLES):
+        kstats.add_read(data, i * 1e-3, 1 << 20)
+    assert kstats.READ_SAMPLES <= len(data["read_s"]) == len(data["read_bytes"]) <= 2 * kstats.READ_SAMPLES
+    assert data["read_s"][-1] == (10 * kstats.READ_SAMPLES - 1) * 1e-3  # the newest are kept

@@ -408,6 +408,32 @@ def test_an_untrusted_producer_gets_not_a_single_packet(tmp_path, trusted, port,
         d.close()
 
 
+def test_what_d_remembers_of_failed_handshakes_stays_bounded(tmp_path):
+    """The addresses D dials come from requests: a failed one is refused for REFUSE_S,
+    then tried again; past 1,024 remembered, those older than that are forgotten."""
+    import threading
+
+    from kvhandoff.adapters.vllm.consumer import REFUSE_S
+
+    extra = {"lease_s": LEASE, "log_dir": str(tmp_path)}
+    d = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "D-h", Side.D, 0, 2, COMPAT)
+
+    def fail(keys, now):
+        for key in keys:
+            done = threading.Event()
+            done.set()
+            d._handshakes[key] = {"done": done, "error": ConnectionRefusedError("refused")}
+        with capture_logs():
+            d._finish_handshakes(now)
+    try:
+        fail([("127.0.0.1", port) for port in range(1000, 2100)], now=0.0)
+        assert len(d._refused) == 1100  # all refused now: each is still being refused
+        fail([("127.0.0.2", port) for port in range(1000, 1100)], now=REFUSE_S + 1)
+        assert set(d._refused) == {("127.0.0.2", port) for port in range(1000, 1100)}
+    finally:
+        d.close()
+
+
 def test_events_reach_the_os_every_step_without_a_flush(workers):
     p, d, pc, dc, port = workers
     _export(p, "r9", 1, "tok-9")
@@ -441,6 +467,31 @@ def test_an_exception_answering_one_notification_costs_only_that_one(workers, mo
     assert fired and [e["event"] for e in logs if e["log_level"] == "error"] == [
         "vllm.worker.notification_error"]
     assert _same(pc, dc, (12,), (12,)) and _kinds(p, "r10").count("freed") == 1
+
+
+def test_a_notification_the_decoder_chokes_on_costs_only_that_one(workers, monkeypatch):
+    """The wire decoder raises something other than MalformedMessage once (a decoder bug):
+    that note is counted ignored and logged, the rest of the batch still arrives."""
+    from kvhandoff.core import messages
+    p, d, pc, dc, port = workers
+    fired: list[int] = []
+    real = messages.decode
+
+    def decode(data):
+        if not fired:
+            fired.append(1)
+            raise TypeError("unhashable type: 'list'")
+        return real(data)
+    monkeypatch.setattr(messages, "decode", decode)
+    with capture_logs() as logs:
+        _export(p, "r10b", 1, "tok-10b")
+        params = _params("r10b", port, (12,), "tok-10b", fence_slot=None)
+        d.start_step(StepPlan(admits=[Admit("L10b", params, "", BLOCK)],
+                              reads=[Read("L10b", [[12]])]))
+        _pump(p, d, lambda s, r, f: "r10b" in s and "L10b" in r)
+    assert fired and [e["event"] for e in logs if e["log_level"] == "error"] == [
+        "vllm.worker.notification_error"]
+    assert _same(pc, dc, (12,), (12,)) and _kinds(p, "r10b").count("freed") == 1
 
 
 def _explode_always(monkeypatch, worker, name, hits, fired):
@@ -556,11 +607,17 @@ def test_an_export_that_finds_no_fence_slot_is_counted(workers):
 def test_a_failing_log_write_never_reaches_vllm(workers, monkeypatch):
     p, d, pc, dc, port = workers
 
-    def full(*a):
-        raise OSError(28, "No space left on device")
+    class FullDisk:  # every write fails, as on a full disk
+        closed = False
+
+        def write(self, data=b""):
+            raise OSError(28, "No space left on device")
+        flush = write
     with capture_logs() as logs:  # before the disk fills: P's notification thread flushes too
         for w in (p, d):
-            monkeypatch.setattr(w.writer, "flush", full)
+            w.flush()
+            monkeypatch.setattr(w.writer, "_file", FullDisk())
+            monkeypatch.setattr(w.writer, "buffer_bytes", 1, raising=False)  # each event writes
         _done_handoff(p, d, port, "r13", "L13", (15,), "tok-13", [15])  # P's answers included
     assert _same(pc, dc, (15,), (15,)) and p._notif_thread.is_alive()
     degraded = [e for e in logs if e["event"] == "vllm.worker.event_log_degraded"]

@@ -46,6 +46,7 @@ from kvhandoff.transports.base import group_splits
 log = structlog.get_logger(__name__)
 
 
+REFUSE_S = 10.0  # a P address whose handshake failed is not tried again for this long
 UNCANCELLED_HOLD_S = 60.0  # a READ held until its client cancels, when none does
 
 _VERDICT_CLASS = {Verdict.UNSAFE: "unsafe", Verdict.PENDING: "unproven", Verdict.FAILED: "failed"}
@@ -168,15 +169,17 @@ class ConsumerHalf:
 
         Handshakes run on a thread: an unreachable or hostile address costs
         that request ``handshake_timeout_s``, never the engine loop.  A failed
-        address is refused for 10 s without trying again.
+        address is refused for ``REFUSE_S`` without trying again.
         """
         key = self._dial_address(remote)
         peer = self._peers.get(key)
         if peer is not None:
             return peer
         refused = self._refused.get(key)
-        if refused is not None and now - refused[0] < 10.0:
-            raise ProducerRefused(f"P at {key[0]}:{key[1]}: {refused[1]}", *refused[2:])
+        if refused is not None:
+            if now - refused[0] < REFUSE_S:
+                raise ProducerRefused(f"P at {key[0]}:{key[1]}: {refused[1]}", *refused[2:])
+            del self._refused[key]
         if key not in self._handshakes:
             box: dict[str, Any] = {"done": threading.Event()}
             self._handshakes[key] = box
@@ -237,6 +240,9 @@ class ConsumerHalf:
                 kind = reject_class(error)  # the class its parked requests are rejected as
                 if kind not in ("layout_version", "incompatible_peer"):
                     kind = "handshake_failed"
+                if len(self._refused) >= 1024:  # addresses come from requests: keep it bounded
+                    self._refused = {k: v for k, v in self._refused.items()
+                                     if now - v[0] < REFUSE_S}
                 self._refused[key] = (now, f"handshake failed: {type(error).__name__}: {error}",
                                       kind)
                 log.error("vllm.worker.handshake_failed", address=f"{key[0]}:{key[1]}",
@@ -626,8 +632,7 @@ class ConsumerHalf:
             if self.consumer.split_done(rid, split, now, ok, reason) and ok:
                 self._count("bytes_read", inc.split_bytes[split])
                 for bucket in (self.stats, self.total):
-                    bucket["read_s"].append(now - inc.posted_at)
-                    bucket["read_bytes"].append(inc.split_bytes[split])
+                    kstats.add_read(bucket, now - inc.posted_at, inc.split_bytes[split])
 
     def _d_receive(self) -> None:
         """Collect notifications (before the caller reads the clock, as `_d_poll`)."""

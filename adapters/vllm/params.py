@@ -92,6 +92,9 @@ def parse_remote_prefill(params: Any, max_block_id: int = 1 << 31) -> RemotePref
                         ("remote_host", host)):
         if not value or len(value) > 256:
             raise MalformedTransferParams(f"kv_transfer_params[{name!r}]: empty or longer than 256")
+        if not value.isprintable():  # logged as text: a control character could forge a line
+            raise MalformedTransferParams(
+                f"kv_transfer_params[{name!r}]: expected printable characters, found {value!r}")
     if not 0 < port < 65536:
         raise MalformedTransferParams(f"kv_transfer_params['remote_port']: expected 1..65535, found {port}")
     if tp < 1:
@@ -119,9 +122,9 @@ def parse_remote_prefill(params: Any, max_block_id: int = 1 << 31) -> RemotePref
         raise MalformedTransferParams(f"kv_transfer_params[{DEBUG_HOLD_KEY!r}]: expected true or "
                                       f"false, found {hold!r}")
     token = params.get("release_token", "")
-    if not isinstance(token, str) or len(token) > 128:
+    if not isinstance(token, str) or len(token) > 128 or not token.isprintable():
         raise MalformedTransferParams("kv_transfer_params['release_token']: expected a string "
-                                      f"of at most 128 characters, found {type(token).__name__}")
+                                      f"of at most 128 printable characters, found {token!r}")
     slot = params.get(FENCE_SLOT_KEY)
     if slot is not None and (type(slot) is not int or not 0 <= slot < 1 << 31):
         raise MalformedTransferParams(f"kv_transfer_params[{FENCE_SLOT_KEY!r}]: expected an "
@@ -177,6 +180,6 @@ def parse_identity(params: Any) -> tuple[str, str, str, int, str] | None:
     token = params.get("release_token", "")
     if not (engine and rid and host) or max(len(engine), len(rid), len(host)) > 256:
         return None
-    if not isinstance(token, str) or len(token) > 128:
+    if not isinstance(token, str) or len(token) > 128 or not token.isprintable():
         return None
     return (engine, rid, host, port, token) if 0 < port < 65536 else None

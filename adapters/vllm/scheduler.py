@@ -109,8 +109,15 @@ def _free_unless_read(self: HandoffScheduler, request: Any, reason: str,
     says it awaits one (`request_finished` pops the track last, so it is
     still here): delay the free and ask the worker for the report that
     returns the pages.  Freeing them would let vLLM reuse them under the READ.
+    On P nothing was exported (no D can read it): vLLM frees the pages, and
+    P's worker ends the record it started for the request.
     """
-    track = None if self.producer else self._d.pop(getattr(request, "request_id", None), None)
+    rid = getattr(request, "request_id", None)
+    if self.producer:
+        if self._p.pop(rid, False):
+            self._plan.aborted.append(rid)
+        return False, None
+    track = self._d.pop(rid, None)
     if track is None or not track.awaiting:
         return False, None
     try:
@@ -250,7 +257,9 @@ class HandoffScheduler:
         if self.producer:
             if rid not in self._p:
                 return False, None
-            started = self._p.pop(rid)
+            # Forget the request last, as on D: if anything here raises, the fallback
+            # still sees that P's worker started it, and ends it there.
+            started = self._p[rid]
             done = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED,
                                       RequestStatus.FINISHED_STOPPED)
             n = request.num_computed_tokens
@@ -267,6 +276,7 @@ class HandoffScheduler:
                 if slot is not None:
                     self._fence_of[rid] = slot
                 self._plan.exports.append(Export(rid, sum(map(len, blocks)), token, slot))
+                del self._p[rid]
                 return True, {
                     **({} if slot is None else {FENCE_SLOT_KEY: slot}),
                     "do_remote_prefill": True, "do_remote_decode": False, "protocol": PROTOCOL,
@@ -277,6 +287,7 @@ class HandoffScheduler:
                     "remote_num_tokens": n, "lease_s": self.cfg.lease_s,
                     "release_token": token, "cache_layout_version": LAYOUT_VERSION,
                 }
+            del self._p[rid]
             if started:
                 self._plan.aborted.append(rid)
             return False, None

@@ -70,6 +70,10 @@ def _parse_hello(frame: bytes, who: str) -> dict[str, Any]:
         raise HandshakeFailed(f"{who}: not a {WIRE} hello")
     if not isinstance(hello.get("engine_id"), str) or not isinstance(hello.get("compat"), dict):
         raise HandshakeFailed(f"{who}: hello lacks engine_id/compat")
+    engine = hello["engine_id"]
+    if not engine or len(engine) > 256 or not engine.isprintable():  # it is logged as text
+        raise HandshakeFailed(f"{who}: hello's engine_id must be 1..256 printable characters, "
+                              f"found {engine[:300]!r}")
     return hello
 
 

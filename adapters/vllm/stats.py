@@ -76,6 +76,20 @@ def empty() -> dict[str, Any]:
     return data
 
 
+# READ samples (seconds, bytes) a bucket keeps for its medians: the newest ones. A worker's
+# cumulative totals live as long as the engine, and vLLM may never take the per-step ones.
+READ_SAMPLES = 4096
+
+
+def add_read(data: dict[str, Any], seconds: float, nbytes: int) -> None:
+    """One READ's sample; a bucket holds at most 2 x READ_SAMPLES, the newest."""
+    times, sizes = data["read_s"], data["read_bytes"]
+    times.append(seconds)
+    sizes.append(nbytes)
+    if len(times) > 2 * READ_SAMPLES:
+        del times[:-READ_SAMPLES], sizes[:-READ_SAMPLES]
+
+
 def merge(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     for k, v in other.items():
         if k in ("read_s", "read_bytes"):

@@ -13,12 +13,19 @@ from __future__ import annotations
 import time
 from typing import Any
 
-# internal vLLM request id -> {"scheduled": t, "recved": t}
+# internal vLLM request id -> {"scheduled": t, "recved": t}; the newest KEEP requests (a
+# served engine notes every request and nobody takes them: the table must not grow).
 _TIMINGS: dict[str, dict[str, float]] = {}
+KEEP = 4096
 
 
 def note(request_id: str, what: str, t: float | None = None) -> None:
-    _TIMINGS.setdefault(request_id, {}).setdefault(what, time.monotonic() if t is None else t)
+    entry = _TIMINGS.get(request_id)
+    if entry is None:
+        if len(_TIMINGS) >= KEEP:
+            del _TIMINGS[next(iter(_TIMINGS))]  # the oldest noted
+        entry = _TIMINGS[request_id] = {}
+    entry.setdefault(what, time.monotonic() if t is None else t)
 
 
 def take(request_id: str) -> dict[str, float] | None:

@@ -174,6 +174,10 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
             except MalformedMessage as exc:
                 self._count("notifications_ignored")
                 log.warning("vllm.worker.malformed_notification", peer=note.peer, error=str(exc))
+            except Exception as exc:  # a decoder bug: costs this note, never the batch
+                self._count("notifications_ignored")
+                log.error("vllm.worker.notification_error", peer=note.peer, error=str(exc),
+                          error_type=type(exc).__name__)
         return out
 
     def take_stats(self) -> dict[str, Any]:
