@@ -102,7 +102,8 @@ class ProducerEngine(LedgerEngine):
         # the writes the next ``poll`` hands the driver.
         self._fence_owner: dict[int, str] = {}
         self._fence_out: list[tuple[int, int]] = []
-        self._deferred: list[tuple[float, str, Heartbeat]] = []  # (first seen, sender, ids)
+        # Heartbeats and releases that overtook their export: (first seen, sender, message).
+        self._deferred: list[tuple[float, str, Heartbeat | Release]] = []
         # Hints that keep ``poll`` from scanning every record of a hot P each step
         # (100,000 live leases: ~30 ms a scan).  The fold still decides: a lease
         # is expired only if `expired_leases` names it, freed only from a state
@@ -161,14 +162,25 @@ class ProducerEngine(LedgerEngine):
             self.counts["heartbeats_received"] += 1
             self._heartbeat(sender, msg, now, now, step)
         elif isinstance(msg, Release):
-            self._record(ReleaseNotified, msg.request_id, now, from_engine=sender,
-                         consumer_rank=msg.rank, token=msg.token)
-            rec = self._rec(msg.request_id)
-            if rec is not None and rec.state is PState.RELEASED:
-                self._ended.append(msg.request_id)
+            self._release(sender, msg, now, now)
         else:
             self.counts["notifications_ignored"] += 1  # P never expects an acknowledgement
         return step
+
+    def _release(self, sender: str, msg: Release, now: float, since: float) -> None:
+        """A D rank's release; one that overtook its export (D admitted and let go before this
+        engine heard of the export: a cancel at once, nothing to read) waits for the export
+        as a heartbeat does, for at most a lease, instead of pinning the blocks a lease."""
+        rec = self._rec(msg.request_id)
+        if (isinstance(rec, ProducerRecord) and rec.state is PState.PREFILLING
+                and now - since < self.lease_s):
+            self._deferred.append((since, sender, msg))
+            return
+        self._record(ReleaseNotified, msg.request_id, now, from_engine=sender,
+                     consumer_rank=msg.rank, token=msg.token)
+        rec = self._rec(msg.request_id)
+        if rec is not None and rec.state is PState.RELEASED:
+            self._ended.append(msg.request_id)
 
     def _heartbeat(self, sender: str, msg: Heartbeat, now: float, since: float,
                    step: ProducerStep) -> None:
@@ -208,21 +220,26 @@ class ProducerEngine(LedgerEngine):
     # ---- time passing --------------------------------------------------------------
 
     def poll(self, now: float) -> ProducerStep:
-        """Answer held-back heartbeats, reap expired leases, name what to free now (and the
-        fence writes of what was exported since, and of what is freed, to carry out first)."""
+        """Answer held-back heartbeats (and apply held-back releases), reap expired leases,
+        name what to free now (and the fence writes of what was exported since, and of what
+        is freed, to carry out first)."""
         step = ProducerStep()
         step.fences, self._fence_out = self._fence_out, []
         if self._unpinned:
             step.freed, self._unpinned = self._unpinned, []
             self.counts["exports_refused_freed"] += len(step.freed)
         deferred, self._deferred = self._deferred, []
-        for since, sender, hb in deferred:
+        for since, sender, msg in deferred:
             try:  # a peer's message costs only itself, whatever it does
-                self._heartbeat(sender, hb, now, since, step)
+                if isinstance(msg, Heartbeat):
+                    self._heartbeat(sender, msg, now, since, step)
+                else:
+                    self._release(sender, msg, now, since)
             except Exception as exc:
                 self.counts["notifications_ignored"] += 1
-                log.error("producer.deferred_heartbeat_error", stream=str(self.stream),
-                          peer=sender, error=str(exc), error_type=type(exc).__name__)
+                log.error(f"producer.deferred_{type(msg).__name__.lower()}_error",
+                          stream=str(self.stream), peer=sender, error=str(exc),
+                          error_type=type(exc).__name__)
         if now >= self._due_at:
             for rid in expired_leases(self.state, self.stream, now):
                 if self._record(LeaseExpired, rid, now):

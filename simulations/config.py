@@ -108,6 +108,10 @@ class RunConfig:
     stall_s: tuple[float, float] = (0.0, 0.0)
     prefill_s_per_block: float = 0.001
     proxy_delay_s: tuple[float, float] = (0.0005, 0.003)  # P's params to D, through the proxy
+    # P's worker folds an export at P's next engine step, after its scheduler handed out the
+    # parameters (vLLM: ``request_finished`` answers in one step, the worker's
+    # ``start_load_kv`` sees the export in the next).  False: in the same step.
+    export_next_step: bool = False
 
     # clients and requests
     cancel: CancelPlan = field(default_factory=CancelPlan)

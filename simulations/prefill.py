@@ -113,6 +113,9 @@ class PrefillEngine:
         self.prefilling: dict[str, SimRequest] = {}
         self.prefilled: list[SimRequest] = []
         self.aborts: list[str] = []
+        # Exports whose parameters went out, for the worker to fold next step
+        # (``cfg.export_next_step``): (rid, blocks, token, fence slot).
+        self.exporting: list[tuple[str, int, str, int | None]] = []
         self.blocks: dict[str, list[int]] = {}
         self.requests: dict[str, SimRequest] = {}
         self.malformed = 0
@@ -149,6 +152,10 @@ class PrefillEngine:
             if agent.notifs_waiting:
                 for n in agent.recv_notifs():
                     self._on_notification(rank, n.peer, n.message, now)
+        exporting, self.exporting = self.exporting, []
+        for rid, n, token, slot in exporting:  # last step's: after what arrived meanwhile
+            for rank, engine in enumerate(self.engines):
+                engine.exported(rid, now, n, self.consumers[rank], token, fence_slot=slot)
         for rid in self.aborts:
             self.prefilling.pop(rid, None)
             self.prefilled = [r for r in self.prefilled if r.rid != rid]
@@ -174,8 +181,12 @@ class PrefillEngine:
                                  kv.copy_rank(g, rank), g.index, first)
                 # One lease, one free for every group of the request (vLLM delays
                 # the free of all groups at once: docs/hybrid.md 1.5).
-                engine.exported(req.rid, now, len(ids), self.consumers[rank], token,
-                                fence_slot=slot)
+                if not cfg.export_next_step:
+                    engine.exported(req.rid, now, len(ids), self.consumers[rank], token,
+                                    fence_slot=slot)
+            if cfg.export_next_step:
+                self.exporting.append((req.rid, len(ids), token, slot))
+                self.loop.wake()
             block_ids = list(ids) if per_group is None else [list(g) for g in per_group]
             self.on_exported(req, TransferParams(req.rid, self.name, tuple(range(cfg.tp)),
                                                  block_ids, len(ids), token, req.num_tokens,

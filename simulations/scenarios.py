@@ -119,6 +119,17 @@ def _prefix_hit(cfg: RunConfig, rng: random.Random) -> None:
     cfg.prefix_hit = rng.uniform(0.3, 1.0)
 
 
+@scenario("release_overtakes_export",
+          "P's worker folds an export an engine step after its scheduler handed out the "
+          "parameters, and P's steps run long: D's release (nothing to read, a cancel at "
+          "admission) reaches P first; P must free at the release, not a lease later")
+def _release_overtakes_export(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.export_next_step = True
+    cfg.p_step_s = rng.uniform(0.02, 0.05)  # a long prefill step
+    cfg.prefix_hit = rng.uniform(0.3, 0.8)
+    cfg.cancel = CancelPlan(rng.uniform(0.2, 0.5), ("admitted",), (0.0, 0.002))
+
+
 @scenario("lease_expiry_boundary",
           "the proxy hands requests to D around the moment their lease ends; some arrive "
           "after it (D must refuse what it reads then)")

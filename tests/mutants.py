@@ -194,6 +194,10 @@ MUTANTS: tuple[Mutant, ...] = (
            "        lost = None\n",
            "a keep-alive P never answered is not followed by an ask: with the fence (no asks at "
            "admission) a lease hangs on the next keep-alive alone"),
+    Mutant("release_before_export_ignored", "core/producer.py",
+           "        if (isinstance(rec, ProducerRecord) and rec.state is PState.PREFILLING\n",
+           "        if (False and isinstance(rec, ProducerRecord)\n",
+           "P drops a release that reached it before its export: the blocks stay pinned a lease"),
     Mutant("fence_trusts_any_value", "core/consumer.py",
            "if value == req.fence[1] and self._record(FenceHeld,",
            "if value is not None and self._record(FenceHeld,",

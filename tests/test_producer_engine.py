@@ -91,6 +91,26 @@ def test_a_heartbeat_that_overtakes_its_export_is_answered_once_exported(engine)
     assert ack.sent_at == 0.1 and ack.time_left["r1"] > 0
 
 
+def test_a_release_that_overtakes_its_export_frees_once_exported(engine):
+    """Found by the simulator (scenario ``release_overtakes_export``)."""
+    engine.prefill_started("r1", 0.0)
+    engine.on_notification(D_AGENT, Release("r1", "decode-0", 0, "tok"), 0.2)
+    assert engine.poll(0.25).freed == []  # nothing exported: the host engine holds the blocks
+    engine.exported("r1", 0.3, 4, (0,), "tok")
+    assert engine.poll(0.4).freed == ["r1"] and engine.poll(0.5).freed == []  # once
+    assert engine.counts["leases_released"] == 1 and engine.counts["leases_expired"] == 0
+    assert replay(engine.log).violations == []
+
+
+def test_a_release_for_a_prefill_that_never_ends_is_let_go_after_a_lease(engine):
+    engine.prefill_started("r1", 0.0)
+    engine.on_notification(D_AGENT, Release("r1", "decode-0", 0, "tok"), 0.2)
+    engine.poll(0.2 + LEASE)  # held for a lease, then heard (the fold ignores it: no export)
+    assert engine._deferred == [] and _state(engine, "r1") is PState.PREFILLING
+    engine.aborted("r1", 0.2 + LEASE + 1, "client")
+    assert _state(engine, "r1") is PState.FREED and engine.poll(0.2 + LEASE + 2).freed == []
+
+
 def test_a_heartbeat_for_a_prefill_that_never_ends_is_answered_gone_after_a_lease(engine):
     engine.prefill_started("r1", 0.0)
     engine.on_notification(D_AGENT, _hb(["r1"]), 0.2)

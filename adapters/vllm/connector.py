@@ -293,13 +293,12 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """What vLLM (0.32, 0.33) calls each step.  The older ``get_finished`` is left to the
+        base class (it answers nothing): it cannot say that a READ failed, and a failed READ
+        reported there as received would be decoded from garbage."""
         sending, recving, failed = self.worker.finish_step()
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        r = self.get_transfer_results(finished_req_ids)
-        return r.finished_sending or None, r.finished_recving or None
 
     def get_kv_connector_stats(self) -> Any:
         if self.worker is None:
