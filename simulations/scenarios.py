@@ -342,6 +342,7 @@ def _swarm(cfg: RunConfig, rng: random.Random) -> None:
         cfg.impersonation = rng.uniform(0.0, 0.5)
     if maybe(0.2):  # D with more TP ranks than P
         cfg.tp, cfg.d_tp = rng.choice(((1, 2), (1, 4), (2, 4)))
+    cfg.export_next_step = maybe(0.3)  # P's worker hears of exports a step late
 
 
 # --- hybrid models: several cache groups per request (docs/hybrid.md) -----------------
