@@ -21,6 +21,7 @@ names it, or decodes the line.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Annotated, Literal, Union
@@ -80,13 +81,15 @@ class LogWriter:
     Recording an event never raises: the engines record an event after their
     fold has taken it, so a recording that raised would lose a decision
     already made (a free, a report) on a full disk.  Lines wait in memory and
-    are written when ``buffer_bytes`` wait, or by `flush`.  A write that fails
-    (``ENOSPC``, ``EIO``) keeps every line not written, in order, for the next
-    attempt; `flush` raises that error for the caller to count, recording only
-    stops trying until the next `flush`.  Past ``max_pending_bytes`` unwritten
-    (a disk that stays full) new lines are dropped and counted in ``dropped``,
-    so memory stays bounded; the file then has a sequence gap, which replay
-    names.
+    are written when ``buffer_bytes`` wait, or by `flush`, in chunks of at most
+    ``buffer_bytes``.  A write that fails (``ENOSPC``, ``EIO``) keeps every
+    line not written, in order, for the next attempt, whatever interrupts it;
+    `flush` raises that error for the caller to count, and recording stops
+    trying until the next `flush`.  While writes fail, a `flush` first tries
+    one waiting line alone, so a disk that stays full costs a failed ``write``
+    per flush, not a copy of the backlog.  Past ``max_pending_bytes`` unwritten
+    new lines are dropped and counted in ``dropped``, so memory stays bounded;
+    the file then has a sequence gap, at which a replay stops, naming it.
     """
 
     def __init__(self, path: str | os.PathLike, buffer_bytes: int = 1 << 16,
@@ -95,9 +98,10 @@ class LogWriter:
         self.buffer_bytes, self.max_pending_bytes = buffer_bytes, max_pending_bytes
         self.dropped = 0  # lines dropped while max_pending_bytes waited unwritten
         self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - owned
-        self._pending: list[bytes] = []
+        self._pending: list[bytes] = []  # in order; the first may be a line's unwritten rest
         self._pending_bytes = 0
         self._failing = False  # the last write failed: recording leaves it to flush
+        self._flushing = False  # a flush runs (a signal handler may land inside one)
 
     def __call__(self, event: Event) -> None:
         line = encode_event(event) + b"\n"
@@ -106,7 +110,7 @@ class LogWriter:
             return
         self._pending.append(line)
         self._pending_bytes += len(line)
-        if self._pending_bytes >= self.buffer_bytes and not self._failing:
+        if self._pending_bytes >= self.buffer_bytes and not (self._failing or self._flushing):
             try:
                 self.flush()
             except OSError:
@@ -115,19 +119,41 @@ class LogWriter:
     write = __call__
 
     def flush(self) -> None:
-        """Write every waiting line; on an error keep what was not written and raise it."""
-        if not self._pending:
-            return
-        data = memoryview(b"".join(self._pending))
-        self._pending, self._pending_bytes = [], 0
+        """Write every waiting line; on an error keep what was not written and raise it.
+
+        `RuntimeError` when called inside a flush (a signal handler's, on the thread
+        it interrupted): the interrupted flush writes everything when it resumes."""
+        if self._flushing:
+            raise RuntimeError(f"{self.path}: flush re-entered (a signal handler interrupted one)")
+        self._flushing = True
+        pending, at = self._pending, 0  # pending[:at] is written
         try:
-            while data:
-                data = data[self._file.write(data):]
-        except OSError:
-            self._failing = True
-            self._pending, self._pending_bytes = [bytes(data)], len(data)
-            raise
-        self._failing = False
+            while at < len(pending):
+                take, size = 1, len(pending[at])
+                if not self._failing:  # coalesce up to a chunk (while failing: a one-line probe)
+                    while at + take < len(pending) and size < self.buffer_bytes:
+                        size += len(pending[at + take])
+                        take += 1
+                data = pending[at] if take == 1 else b"".join(pending[at:at + take])
+                view, written = memoryview(data), 0
+                try:
+                    while written < size:
+                        n = self._file.write(view[written:])
+                        if not n:
+                            raise OSError(errno.ENOSPC, f"{self.path}: write wrote nothing")
+                        written += n
+                except BaseException:
+                    self._failing = True
+                    if written:  # the chunk's rest, in front of what follows it
+                        pending[at:at + take] = [data[written:]]
+                        self._pending_bytes -= written
+                    raise
+                at += take
+                self._pending_bytes -= size
+                self._failing = False
+        finally:
+            del pending[:at]
+            self._flushing = False
 
     def close(self) -> None:
         if not self._file.closed:

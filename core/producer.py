@@ -14,17 +14,19 @@ carries out what it returns.
   the driver vouches sent it (the transport peer, learned at the handshake),
   never what the message claims.  A heartbeat is answered with a
   `HeartbeatAck` for the driver to send back (``time_left`` per request,
-  `policy.lease_time_left`); a release is noted.
+  `policy.lease_time_left`); a release is recorded (the fold decides whether
+  it counts) and, once every consumer rank released, the blocks are freed by
+  the next ``poll``.
 * Time passing: ``poll(now)`` reaps expired leases and returns the requests
   whose blocks must be freed now, each exactly once; a request D released is
   forgotten as it is freed (`policy.forgotten_when_freed`).  ``forget(now)``
   drops the other finished records (`policy.to_forget`), each a `Forgotten`
   event.
 
-A heartbeat can overtake its own export (vLLM's P hands out the parameters a
-step before its worker folds the export): ids still ``PREFILLING`` are held
-back and answered by a later ``poll`` once exported, or for what they are one
-lease later.
+A heartbeat or a release can overtake its own export (vLLM's P hands out the
+parameters a step before its worker folds the export): ids still
+``PREFILLING`` are held back and answered (a release: applied) by a later
+``poll`` once exported, or taken for what they are one lease later.
 
 The connector's P worker (`adapters.vllm.producer`) and the simulator's P
 (`simulations.prefill`) drive this same object; a model of vLLM 0.32's P is

@@ -10,7 +10,7 @@ from structlog.testing import capture_logs
 from kvhandoff.core.errors import LogCorrupt
 from kvhandoff.core.events import HeartbeatReceived
 from kvhandoff.core.lifecycle import DState, PState, fold
-from kvhandoff.core.log import LogWriter, read_log, read_logs, write_log
+from kvhandoff.core.log import LogWriter, encode_event, read_log, read_logs, write_log
 from kvhandoff.core.replay import state_hash
 
 
@@ -48,37 +48,51 @@ def test_writer_is_buffered_until_flush(tmp_path):
 
 
 class _FullDisk:
-    """A file whose writes fail with ENOSPC until ``room`` is set; then they succeed,
-    at most ``chunk`` bytes per write (partial writes, as a kernel may do)."""
+    """A file with room for ``budget`` more bytes (None: no limit); a write past it fails
+    with ENOSPC after writing what fits.  Writes at most ``chunk`` bytes each (partial
+    writes, as a kernel may do); ``failed`` holds the size of each write that failed."""
 
-    def __init__(self, path, chunk=100):
-        self.real, self.room, self.chunk, self.failures = open(path, "ab", buffering=0), False, chunk, 0
+    def __init__(self, path, budget=0, chunk=100):
+        self.real, self.budget, self.chunk = open(path, "ab", buffering=0), budget, chunk
+        self.failed: list[int] = []
         self.closed = False
 
     def write(self, data):
-        if not self.room:
-            self.failures += 1
-            raise OSError(28, "No space left on device")
-        return self.real.write(bytes(data[:self.chunk]))
+        n = min(len(data), self.chunk)
+        if self.budget is not None:
+            if self.budget == 0:
+                self.failed.append(len(data))
+                raise OSError(28, "No space left on device")
+            n = min(n, self.budget)
+            self.budget -= n
+        return self.real.write(bytes(data[:n]))
 
     def close(self):
         self.closed = True
         self.real.close()
 
 
+def _heartbeats(n):
+    stream = ledger_in(PState.EXPORTED).stream
+    return [HeartbeatReceived(RID, stream, seq, float(seq), from_engine="d") for seq in range(n)]
+
+
 def test_recording_never_raises_and_a_failed_write_loses_nothing(tmp_path):
     path = tmp_path / "f.jsonl"
-    stream = ledger_in(PState.EXPORTED).stream
-    events = [HeartbeatReceived(RID, stream, seq, float(seq), from_engine="d")
-              for seq in range(50)]
+    events = _heartbeats(50)
     writer = LogWriter(path, buffer_bytes=300)
-    writer._file = disk = _FullDisk(path)
+    writer._file = disk = _FullDisk(path, budget=250)  # room for two lines and a bit
     for e in events[:30]:
-        writer(e)  # the disk is full: recording still returns
-    assert disk.failures == 1  # one attempt when the buffer filled; then it waits for flush
-    with pytest.raises(OSError):
-        writer.flush()  # the caller hears the failure (it counts it and serves on)
-    disk.room = True
+        writer(e)  # the disk fills mid-line: recording still returns
+    assert len(disk.failed) == 1  # one attempt when the buffer filled; then it waits for flush
+    for _ in range(3):
+        with pytest.raises(OSError):
+            writer.flush()  # the caller hears the failure (it counts it and serves on)
+    # While failing, a flush tries the first waiting piece alone (a line, or the rest of
+    # the chunk a write cut short), never a copy of the backlog.
+    assert all(size <= writer.buffer_bytes for size in disk.failed[1:])
+    assert writer._pending_bytes > 25 * (len(encode_event(events[0])) + 1)
+    disk.budget = None  # the disk has room again
     for e in events[30:]:
         writer(e)
     writer.close()
@@ -86,15 +100,60 @@ def test_recording_never_raises_and_a_failed_write_loses_nothing(tmp_path):
     assert writer.dropped == 0
 
 
+def test_an_interrupted_flush_keeps_every_line_for_the_next_one(tmp_path):
+    path = tmp_path / "i.jsonl"
+    events = _heartbeats(20)
+    writer = LogWriter(path, buffer_bytes=1 << 20)
+    writer._file = disk = _FullDisk(path, budget=None, chunk=70)
+    calls = 0
+    real = disk.write
+
+    def interrupted(data):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise KeyboardInterrupt  # Ctrl-C lands in the middle of a flush
+        return real(data)
+    disk.write = interrupted
+    for e in events:
+        writer(e)
+    with pytest.raises(KeyboardInterrupt):
+        writer.flush()
+    writer.close()
+    assert read_log(path) == events
+
+
+def test_a_flush_inside_a_flush_is_refused_and_the_outer_one_writes_everything_once(tmp_path):
+    """A signal handler that flushes lands inside a flush on the same thread: it must not
+    write again what the interrupted flush already wrote (a repeated line corrupts the log)."""
+    path = tmp_path / "r.jsonl"
+    events = _heartbeats(20)
+    writer = LogWriter(path, buffer_bytes=300)
+    writer._file = disk = _FullDisk(path, budget=None, chunk=1 << 20)
+    real, refused = disk.write, []
+
+    def handler_lands(data):
+        n = real(data)
+        if not refused:
+            with pytest.raises(RuntimeError, match="re-entered"):
+                writer.flush()
+            refused.append(1)
+        return n
+    disk.write = handler_lands
+    for e in events:
+        writer(e)
+    writer.close()
+    assert refused and read_log(path) == events
+
+
 def test_a_disk_that_stays_full_bounds_the_memory_and_counts_what_it_dropped(tmp_path):
     path = tmp_path / "g.jsonl"
-    stream = ledger_in(PState.EXPORTED).stream
     writer = LogWriter(path, buffer_bytes=100, max_pending_bytes=1000)
     writer._file = disk = _FullDisk(path)
-    for seq in range(100):
-        writer(HeartbeatReceived(RID, stream, seq, float(seq), from_engine="d"))
+    for e in _heartbeats(100):
+        writer(e)
     assert 0 < writer._pending_bytes < 1000 + 200 and writer.dropped > 80
-    disk.room = True
+    disk.budget = None
     writer.close()
     kept = path.read_bytes().count(b"\n")
     assert kept + writer.dropped == 100 and kept > 0

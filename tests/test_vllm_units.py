@@ -88,6 +88,8 @@ def test_identity_survives_bad_block_ids_but_not_a_bad_port():
     assert parse_identity(p) == ("P-1", "req-1", "127.0.0.1", 5600, "t0k")
     assert parse_identity({**p, "remote_port": "x"}) is None
     assert parse_identity("not a dict") is None
+    for field in ("remote_engine_id", "remote_request_id", "remote_host"):  # logged as text
+        assert parse_identity({**p, field: "x\x1b[2K\rforged"}) is None, field
 
 
 def test_config_defaults_follow_the_lease():
@@ -826,3 +828,16 @@ def test_what_a_serving_engine_keeps_for_its_timings_and_medians_is_bounded():
         kstats.add_read(data, i * 1e-3, 1 << 20)
     assert kstats.READ_SAMPLES <= len(data["read_s"]) == len(data["read_bytes"]) <= 2 * kstats.READ_SAMPLES
     assert data["read_s"][-1] == (10 * kstats.READ_SAMPLES - 1) * 1e-3  # the newest are kept
+
+
+def test_the_older_get_finished_never_reports_a_failed_read_as_received():
+    """vLLM 0.32 and 0.33 call get_transfer_results; a caller of the older get_finished
+    cannot hear of a failed READ, so it is held back (and logged), never reported received."""
+    from kvhandoff.adapters.vllm.connector import KVHandoffConnector
+
+    connector = object.__new__(KVHandoffConnector)  # only its worker's report is needed
+    connector.worker = SimpleNamespace(finish_step=lambda: ({"p1"}, {"d1", "d2"}, {"d2"}))
+    with capture_logs() as logs:
+        assert connector.get_finished(set()) == ({"p1"}, {"d1"})
+    (entry,) = [e for e in logs if e["log_level"] == "error"]
+    assert entry["event"] == "vllm.connector.failed_reads_withheld" and entry["request_ids"] == ["d2"]

@@ -99,7 +99,7 @@ def _chained_flush(previous: Any) -> Any:
     def handler(signum: int, frame: Any) -> None:
         try:
             flush_all_logs()
-        except RuntimeError:  # interrupted mid-write (reentrant flush): the step's own follows
+        except RuntimeError:  # it interrupted a flush (`LogWriter.flush`): that one resumes
             pass
         if callable(previous):
             previous(signum, frame)
@@ -293,12 +293,21 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """What vLLM (0.32, 0.33) calls each step.  The older ``get_finished`` is left to the
-        base class (it answers nothing): it cannot say that a READ failed, and a failed READ
-        reported there as received would be decoded from garbage."""
+        """What vLLM (0.32, 0.33) calls each step."""
         sending, recving, failed = self.worker.finish_step()
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """The older call, which vLLM 0.32 and 0.33 no longer make: it cannot say that a READ
+        failed, and a failed READ reported as received would be decoded from garbage.  So
+        failed READs are held back (their requests wait, loudly), the rest reported."""
+        r = self.get_transfer_results(finished_req_ids)
+        if r.failed_recving:
+            log.error("vllm.connector.failed_reads_withheld", request_ids=sorted(r.failed_recving),
+                      why="get_finished cannot report a failed READ; use a vLLM that calls "
+                          "get_transfer_results")
+        return r.finished_sending or None, (r.finished_recving - r.failed_recving) or None
 
     def get_kv_connector_stats(self) -> Any:
         if self.worker is None:

@@ -180,6 +180,8 @@ def parse_identity(params: Any) -> tuple[str, str, str, int, str] | None:
     token = params.get("release_token", "")
     if not (engine and rid and host) or max(len(engine), len(rid), len(host)) > 256:
         return None
+    if not (engine.isprintable() and rid.isprintable() and host.isprintable()):
+        return None  # logged and sent as text: parse_remote_prefill refuses them too
     if not isinstance(token, str) or len(token) > 128 or not token.isprintable():
         return None
     return (engine, rid, host, port, token) if 0 < port < 65536 else None

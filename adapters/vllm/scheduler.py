@@ -275,9 +275,7 @@ class HandoffScheduler:
                 slot = None if rid in self._fence_of else self.fence.take()
                 if slot is not None:
                     self._fence_of[rid] = slot
-                self._plan.exports.append(Export(rid, sum(map(len, blocks)), token, slot))
-                del self._p[rid]
-                return True, {
+                params = {
                     **({} if slot is None else {FENCE_SLOT_KEY: slot}),
                     "do_remote_prefill": True, "do_remote_decode": False, "protocol": PROTOCOL,
                     "remote_engine_id": self.engine_id, "remote_request_id": rid,
@@ -287,6 +285,9 @@ class HandoffScheduler:
                     "remote_num_tokens": n, "lease_s": self.cfg.lease_s,
                     "release_token": token, "cache_layout_version": LAYOUT_VERSION,
                 }
+                self._plan.exports.append(Export(rid, sum(map(len, blocks)), token, slot))
+                del self._p[rid]
+                return True, params
             del self._p[rid]
             if started:
                 self._plan.aborted.append(rid)

@@ -23,6 +23,8 @@ COUNTERS = (
     "reads_posted", "reads_completed", "reads_failed", "bytes_read",
     "notify_only_releases", "releases_sent", "rejected", "notifications_ignored",
     "log_write_errors", "refused_events",
+    # Events a degraded log dropped: past 64 MiB unwritten (`core.log.LogWriter`).
+    "log_events_dropped",
     # P: heartbeats (from the request's own D, with its token) that arrived for a lease
     # already past its deadline.  D: heartbeats sent more than two heartbeat periods
     # after the request's previous one (a stalled engine step or an unreachable P).

@@ -14,7 +14,8 @@ import time
 from typing import Any
 
 # internal vLLM request id -> {"scheduled": t, "recved": t}; the newest KEEP requests (a
-# served engine notes every request and nobody takes them: the table must not grow).
+# served engine notes every request and nobody takes them: the table must not grow).  A
+# harness with more than KEEP hand-offs in flight would find the oldest ones' times gone.
 _TIMINGS: dict[str, dict[str, float]] = {}
 KEEP = 4096
 

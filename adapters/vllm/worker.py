@@ -100,6 +100,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self.log_path = str(Path(cfg.log_dir) / f"{engine_id}.{side.value}{rank}.jsonl")
         _rotate_previous_log(self.log_path)
         self.writer = LogWriter(self.log_path)
+        self._log_dropped_seen = 0  # of writer.dropped, counted in the stats
         self.log_degraded = False
         self.state = LifecycleState()
         self._last_prune = 0.0
@@ -205,7 +206,8 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         The engine keeps serving with its log degraded (``log_write_errors``
         in the stats, one loud log line): the log is the record, not the
         mechanism.  What the buffer still holds is written by the next flush
-        that succeeds.
+        that succeeds; what it dropped (past 64 MiB unwritten) is counted
+        (``log_events_dropped``).
         """
         try:
             self.writer.flush()
@@ -215,6 +217,10 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
                 self.log_degraded = True
                 log.critical("vllm.worker.event_log_degraded", event_log=self.log_path,
                              error=str(exc), error_type=type(exc).__name__)
+        dropped = self.writer.dropped - self._log_dropped_seen
+        if dropped:
+            self._log_dropped_seen += dropped
+            self._count("log_events_dropped", dropped)
 
     def _stage(self, name: str, step: Any, *args: Any) -> None:
         """Run one stage of an engine step; its error costs that stage only, this step."""
