@@ -226,6 +226,27 @@ def test_a_release_without_the_token_frees_nothing(workers):
     assert _same(pc, dc, (3,), (30,))
 
 
+def test_a_release_that_overtakes_its_export_frees_when_p_folds_the_export(workers):
+    """vLLM's P hands out the parameters a step before its worker folds the export; a D
+    that lets go at once (here: the client cancels before any READ) can release first.
+    P holds that release for the export and frees then, not a lease later."""
+    p, d, pc, dc, port = workers
+    _SLOT_OF["r40"] = slot = next(_SLOTS) % 1024
+    p.start_step(StepPlan(prefill_started=["r40"]))  # the export is still to come
+    p.finish_step()
+    d.start_step(StepPlan(admits=[Admit("L40", _params("r40", port, (20,), "tok-40"), "",
+                                        BLOCK)]))
+    d.start_step(StepPlan(cancels=["L40"]))
+    wait_for(lambda: d.finish_step() and "release_sent" in _kinds(d, "r40"), 5, "D's release")
+    wait_for(lambda: p.producer._deferred, 5, "P to hold the release for the export")
+    p.start_step(StepPlan(exports=[Export("r40", 1, "tok-40", slot)]))
+    sent, _, _ = p.finish_step()
+    assert "r40" in sent  # freed in the step that folded the export
+    kinds = _kinds(p, "r40")
+    assert kinds.index("exported") < kinds.index("release_notified") < kinds.index("freed")
+    assert "lease_expired" not in kinds
+
+
 def test_bad_geometry_is_rejected_with_a_notify_only_release(workers):
     p, d, pc, dc, port = workers
     _export(p, "r4", 2, "tok-4")
