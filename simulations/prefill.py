@@ -153,9 +153,8 @@ class PrefillEngine:
                 for n in agent.recv_notifs():
                     self._on_notification(rank, n.peer, n.message, now)
         exporting, self.exporting = self.exporting, []
-        for rid, n, token, slot in exporting:  # last step's: after what arrived meanwhile
-            for rank, engine in enumerate(self.engines):
-                engine.exported(rid, now, n, self.consumers[rank], token, fence_slot=slot)
+        for export in exporting:  # last step's: after what arrived meanwhile
+            self._fold_export(*export, now)
         for rid in self.aborts:
             self.prefilling.pop(rid, None)
             self.prefilled = [r for r in self.prefilled if r.rid != rid]
@@ -171,7 +170,7 @@ class PrefillEngine:
             slot = self.fence_slots.take() if token else None
             if slot is not None:
                 self.slot_of[req.rid] = [slot, len(self.engines)]
-            for rank, engine in enumerate(self.engines):
+            for rank in range(len(self.engines)):
                 if per_group is None:
                     kv.write(self.words[rank], ids, req.serial, rank)
                 else:
@@ -179,14 +178,11 @@ class PrefillEngine:
                         first = kv.group_positions(g, req.num_tokens).start
                         kv.write(self.words[rank], group_ids, req.serial,
                                  kv.copy_rank(g, rank), g.index, first)
-                # One lease, one free for every group of the request (vLLM delays
-                # the free of all groups at once: docs/hybrid.md 1.5).
-                if not cfg.export_next_step:
-                    engine.exported(req.rid, now, len(ids), self.consumers[rank], token,
-                                    fence_slot=slot)
             if cfg.export_next_step:
                 self.exporting.append((req.rid, len(ids), token, slot))
                 self.loop.wake()
+            else:
+                self._fold_export(req.rid, len(ids), token, slot, now)
             block_ids = list(ids) if per_group is None else [list(g) for g in per_group]
             self.on_exported(req, TransferParams(req.rid, self.name, tuple(range(cfg.tp)),
                                                  block_ids, len(ids), token, req.num_tokens,
@@ -211,6 +207,12 @@ class PrefillEngine:
         if due < math.inf:
             self.loop.wake_at(due)
         return bool(freed and self.queue)
+
+    def _fold_export(self, rid: str, n: int, token: str, slot: int | None, now: float) -> None:
+        """Every rank's worker takes the export.  One lease, one free for every group of the
+        request (vLLM delays the free of all groups at once: docs/hybrid.md 1.5)."""
+        for rank, engine in enumerate(self.engines):
+            engine.exported(rid, now, n, self.consumers[rank], token, fence_slot=slot)
 
     def _group_lists(self, req: SimRequest, ids: list[int]) -> list[list[int]] | None:
         """A hybrid request's block ids, one list per group: what P holds of each group,

@@ -62,6 +62,16 @@ class RemotePrefill:
         }
 
 
+def well_formed_id(value: str) -> bool:
+    """1..256 printable characters: engine ids, request ids and hosts are logged as text,
+    where a control character could forge or rewrite a line."""
+    return 0 < len(value) <= 256 and value.isprintable()
+
+
+def _well_formed_token(token: Any) -> bool:
+    return isinstance(token, str) and len(token) <= 128 and token.isprintable()
+
+
 def _get(params: dict[str, Any], name: str, kind: type) -> Any:
     if name not in params:
         raise MalformedTransferParams(f"kv_transfer_params: missing field {name!r}")
@@ -122,7 +132,7 @@ def parse_remote_prefill(params: Any, max_block_id: int = 1 << 31) -> RemotePref
         raise MalformedTransferParams(f"kv_transfer_params[{DEBUG_HOLD_KEY!r}]: expected true or "
                                       f"false, found {hold!r}")
     token = params.get("release_token", "")
-    if not isinstance(token, str) or len(token) > 128 or not token.isprintable():
+    if not _well_formed_token(token):
         raise MalformedTransferParams("kv_transfer_params['release_token']: expected a string "
                                       f"of at most 128 printable characters, found {token!r}")
     slot = params.get(FENCE_SLOT_KEY)
@@ -178,10 +188,6 @@ def parse_identity(params: Any) -> tuple[str, str, str, int, str] | None:
     except (MalformedTransferParams, TypeError, AttributeError):
         return None
     token = params.get("release_token", "")
-    if not (engine and rid and host) or max(len(engine), len(rid), len(host)) > 256:
-        return None
-    if not (engine.isprintable() and rid.isprintable() and host.isprintable()):
-        return None  # logged and sent as text: parse_remote_prefill refuses them too
-    if not isinstance(token, str) or len(token) > 128 or not token.isprintable():
+    if not all(map(well_formed_id, (engine, rid, host))) or not _well_formed_token(token):
         return None
     return (engine, rid, host, port, token) if 0 < port < 65536 else None

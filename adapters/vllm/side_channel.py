@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 import structlog
 
+from kvhandoff.adapters.vllm.params import well_formed_id
 from kvhandoff.core.errors import GeometryMismatch
 from kvhandoff.core.groups import CacheLayout, GroupMismatch, MalformedGroups
 
@@ -71,7 +72,7 @@ def _parse_hello(frame: bytes, who: str) -> dict[str, Any]:
     if not isinstance(hello.get("engine_id"), str) or not isinstance(hello.get("compat"), dict):
         raise HandshakeFailed(f"{who}: hello lacks engine_id/compat")
     engine = hello["engine_id"]
-    if not engine or len(engine) > 256 or not engine.isprintable():  # it is logged as text
+    if not well_formed_id(engine):
         raise HandshakeFailed(f"{who}: hello's engine_id must be 1..256 printable characters, "
                               f"found {engine[:300]!r}")
     return hello
