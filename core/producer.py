@@ -104,8 +104,12 @@ class ProducerEngine(LedgerEngine):
         # the writes the next ``poll`` hands the driver.
         self._fence_owner: dict[int, str] = {}
         self._fence_out: list[tuple[int, int]] = []
-        # Heartbeats and releases that overtook their export: (first seen, sender, message).
-        self._deferred: list[tuple[float, str, Heartbeat | Release]] = []
+        # Heartbeats and releases that overtook their export, by what they say (sender,
+        # message type, D rank, ids, tokens): (first seen, sender, the latest-sent such
+        # message).  A D repeating itself while P still prefills replaces its message,
+        # keeping when it was first seen (the hold's bound): memory and each ``poll``'s
+        # rescan stay one entry per distinct message, however often it is sent.
+        self._deferred: dict[tuple, tuple[float, str, Heartbeat | Release]] = {}
         # Hints that keep ``poll`` from scanning every record of a hot P each step
         # (100,000 live leases: ~30 ms a scan).  The fold still decides: a lease
         # is expired only if `expired_leases` names it, freed only from a state
@@ -176,13 +180,22 @@ class ProducerEngine(LedgerEngine):
         rec = self._rec(msg.request_id)
         if (isinstance(rec, ProducerRecord) and rec.state is PState.PREFILLING
                 and now - since < self.lease_s):
-            self._deferred.append((since, sender, msg))
+            self._defer(sender, msg, since,
+                        (sender, Release, msg.rank, msg.request_id, msg.engine, msg.token))
             return
         self._record(ReleaseNotified, msg.request_id, now, from_engine=sender,
                      consumer_rank=msg.rank, token=msg.token)
         rec = self._rec(msg.request_id)
         if rec is not None and rec.state is PState.RELEASED:
             self._ended.append(msg.request_id)
+
+    def _defer(self, sender: str, msg: Heartbeat | Release, since: float, key: tuple) -> None:
+        held = self._deferred.get(key)
+        if held is not None:
+            since = min(held[0], since)
+            if isinstance(msg, Heartbeat) and held[2].sent_at > msg.sent_at:
+                msg = held[2]  # overtaken by a later one: answer the later one
+        self._deferred[key] = (since, sender, msg)
 
     def _heartbeat(self, sender: str, msg: Heartbeat, now: float, since: float,
                    step: ProducerStep) -> None:
@@ -191,10 +204,10 @@ class ProducerEngine(LedgerEngine):
                         if isinstance(rec := self._rec(rid), ProducerRecord)
                         and rec.state is PState.PREFILLING) if held else ()
         if waiting:
-            self._deferred.append((since, sender, Heartbeat(
-                msg.engine, msg.rank, msg.sent_at, waiting,
-                tuple(msg.token_of(msg.request_ids.index(r)) for r in waiting)
-                if msg.tokens else ())))
+            tokens = (tuple(msg.token_of(msg.request_ids.index(r)) for r in waiting)
+                      if msg.tokens else ())
+            self._defer(sender, Heartbeat(msg.engine, msg.rank, msg.sent_at, waiting, tokens),
+                        since, (sender, Heartbeat, msg.rank, waiting, msg.engine, tokens))
         left: dict[str, float] = {}
         late = False
         for i, rid in enumerate(msg.request_ids):
@@ -230,8 +243,8 @@ class ProducerEngine(LedgerEngine):
         if self._unpinned:
             step.freed, self._unpinned = self._unpinned, []
             self.counts["exports_refused_freed"] += len(step.freed)
-        deferred, self._deferred = self._deferred, []
-        for since, sender, msg in deferred:
+        deferred, self._deferred = self._deferred, {}
+        for since, sender, msg in deferred.values():
             try:  # a peer's message costs only itself, whatever it does
                 if isinstance(msg, Heartbeat):
                     self._heartbeat(sender, msg, now, since, step)

@@ -13,6 +13,9 @@
   event log (every cancel landed mid-read).
 * ``kvhandoff demo --http --json`` as the README prints it: the demo through
   two ``vllm serve`` engines and the router, its JSON object checked.
+* ``kvhandoff demo --model gemma3`` and ``--model mamba2`` as the operator
+  guide names them (with ``--json``): the hybrid caches' demo, checked as the
+  default one is.
 
 Each starts real engines (about a minute each test on 2 cores).
 """
@@ -204,6 +207,47 @@ def test_the_http_demo_runs_as_the_docs_print_it(tmp_path):
     assert s["p_frees"] == s["p_exports"] == 12 and s["double_frees"] == 0, s
     assert s["replay_violations"] == 0 and s["violations"] == [], s
     assert Path(s["workdir"]).is_relative_to(tmp_path)
+
+
+# ---- kvhandoff demo --model gemma3|mamba2 ----------------------------------------
+
+@pytest.mark.parametrize("model", ["gemma3", "mamba2"])
+def test_the_hybrid_demos_run_as_the_guide_names_them(tmp_path, model):
+    """Two KV cache groups (sliding window + full attention), or one Mamba state group:
+    the same batch as the default demo, each request's groups read, freed once."""
+    assert "`kvhandoff demo --model gemma3` and `--model mamba2`" in GUIDE.read_text()
+    assert "[--model llama\\|gemma3\\|mamba2]" in README.read_text()
+    kvhandoff = Path(sys.executable).with_name("kvhandoff")
+    result = subprocess.run([str(kvhandoff), "demo", "--model", model, "--json"], cwd=ROOT,
+                            env={**os.environ, "TMPDIR": str(tmp_path)},
+                            capture_output=True, text=True, timeout=800)
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1, (result.stdout[-2000:], result.stderr[-3000:])
+    s = json.loads(lines[0])
+    assert result.returncode == 0, {k: v for k, v in s.items() if k != "event_logs"}
+    assert s["model"] == model and s["requests"] == 12, s
+    assert s["completed"] == 8 and s["tokens_match"] is True and s["mismatched"] == [], s
+    assert s["cancelled"] == 3 and s["rejected"] == 1, s
+    assert s["p_frees"] == s["p_exports"] == 12 and s["double_frees"] == 0, s
+    assert s["replay_violations"] == 0 and s["lease_expiries"] == 0, s
+    assert Path(s["workdir"]).is_relative_to(tmp_path)
+    by_request: dict[str, list] = {}
+    d_log = next(Path(p) for p in s["event_logs"] if ".D0." in p)
+    for e in read_log(d_log):
+        by_request.setdefault(e.request_id, []).append(e)
+    groups = {g for evs in by_request.values() for e in evs if e.kind == "reads_posted"
+              for g in e.split_groups}
+    assert groups == ({0, 1} if model == "gemma3" else {0}), groups
+    cancelled = [[e.kind for e in evs] for evs in by_request.values()
+                 if any(e.kind == "client_cancelled" for e in evs)]
+    assert len(cancelled) == 3, by_request
+    for k in cancelled:  # each cancel landed while its READs were in flight
+        assert k.index("reads_posted") < k.index("client_cancelled") < k.index("split_completed"), k
+    replay = subprocess.run(s["replay_command"].split(), cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "PATH": f"{kvhandoff.parent}"
+                                                         f":{os.environ.get('PATH', '')}"})
+    assert replay.returncode == 0, replay.stdout[-2000:] + replay.stderr[-2000:]
+    assert "VIOLATION" not in replay.stdout and "freed under read 0," in replay.stdout
 
 
 def test_the_http_demo_counts_a_process_that_died_or_restarted(tmp_path):

@@ -102,11 +102,48 @@ def test_a_release_that_overtakes_its_export_frees_once_exported(engine):
     assert replay(engine.log).violations == []
 
 
+def test_a_heartbeat_repeated_while_p_prefills_is_held_once_and_answered_once(engine):
+    """A D repeating itself (every quarter interval, say) for an id P still prefills costs
+    P one held message, not one per repeat; the answer echoes the latest one sent."""
+    engine.prefill_started("r1", 0.0)
+    for i in range(1000):
+        assert engine.on_notification(D_AGENT, _hb(["r1"], sent_at=0.1 + i * 1e-3),
+                                      0.2 + i * 1e-3).acks == []
+        assert engine.poll(0.2 + i * 1e-3).acks == []
+    assert len(engine._deferred) == 1
+    engine.exported("r1", 2.0, 4, (0,), "tok")
+    (_, ack), = engine.poll(2.1).acks
+    assert ack.sent_at == pytest.approx(0.1 + 999e-3) and ack.time_left["r1"] > 0
+    assert engine.poll(2.2).acks == []
+
+
+def test_a_repeated_heartbeat_held_back_is_let_go_a_lease_after_its_first_copy(engine):
+    engine.prefill_started("r1", 0.0)
+    engine.on_notification(D_AGENT, _hb(["r1"], sent_at=0.1), 0.2)
+    engine.on_notification(D_AGENT, _hb(["r1"], sent_at=LEASE - 1), LEASE - 0.5)
+    (_, ack), = engine.poll(0.2 + LEASE).acks  # the first copy's bound, not the last's
+    assert ack.sent_at == LEASE - 1 and ack.time_left == {"r1": -1.0}
+
+
+def test_releases_held_back_are_kept_apart_by_what_they_say(engine):
+    """Repeats of one release are held once; a release with another token (a guess) is a
+    different message and cannot displace the real one."""
+    engine.prefill_started("r1", 0.0)
+    for t in (0.1, 0.2, 0.3):
+        engine.on_notification(D_AGENT, Release("r1", "decode-0", 0, "tok"), t)
+    engine.on_notification(D_AGENT, Release("r1", "decode-0", 0, "guess"), 0.35)
+    engine.on_notification(D_AGENT, Release("r1", "decode-0", 0, "tok"), 0.4)
+    assert len(engine._deferred) == 2
+    engine.exported("r1", 0.5, 4, (0,), "tok")
+    assert engine.poll(0.6).freed == ["r1"] and engine.counts["leases_released"] == 1
+    assert replay(engine.log).violations == []
+
+
 def test_a_release_for_a_prefill_that_never_ends_is_let_go_after_a_lease(engine):
     engine.prefill_started("r1", 0.0)
     engine.on_notification(D_AGENT, Release("r1", "decode-0", 0, "tok"), 0.2)
     engine.poll(0.2 + LEASE)  # held for a lease, then heard (the fold ignores it: no export)
-    assert engine._deferred == [] and _state(engine, "r1") is PState.PREFILLING
+    assert not engine._deferred and _state(engine, "r1") is PState.PREFILLING
     engine.aborted("r1", 0.2 + LEASE + 1, "client")
     assert _state(engine, "r1") is PState.FREED and engine.poll(0.2 + LEASE + 2).freed == []
 
