@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import select
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,10 +24,13 @@ PARAMS = {"remote_request_id": "p-1", "remote_block_ids": [[1, 2]]}
 
 class Upstream:
     """An HTTP server on loopback; ``mode``: "prefill" answers with P's params,
-    "echo" returns the body it got, "hang_up" closes without an answer."""
+    "echo" returns the body it got, "hang_up" closes without an answer, "not_json"
+    and "json_list" answer 200 with a body that is no JSON object, "slow_headers"
+    answers nothing until the router closes the connection (``closed`` is set then)."""
 
     def __init__(self, mode: str) -> None:
         self.bodies: list[dict] = []
+        self.closed = threading.Event()
         upstream = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -36,8 +40,17 @@ class Upstream:
                 if mode == "hang_up":
                     self.close_connection = True
                     return
-                answer = {"kv_transfer_params": PARAMS} if mode == "prefill" else body
-                data = json.dumps(answer).encode()
+                if mode == "slow_headers":  # until the peer closes (bounded: 60 s)
+                    for _ in range(1200):
+                        if (select.select([self.connection], [], [], 0.05)[0]
+                                and self.connection.recv(1, socket.MSG_PEEK) == b""):
+                            upstream.closed.set()
+                            break
+                    self.close_connection = True
+                    return
+                answer = ({"kv_transfer_params": PARAMS} if mode == "prefill" else
+                          [PARAMS] if mode == "json_list" else body)
+                data = b"<html>busy</html>" if mode == "not_json" else json.dumps(answer).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -124,6 +137,9 @@ NOT_ONE_HAND_OFF = {
     "n_completions": ("/v1/completions", {"n": 2}, "n", "`n` must be 1"),
     "n_chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3},
                "n", "`n` must be 1"),
+    # vLLM's request models read a numeric string as the number: "2" would be 2 sequences
+    "n_as_a_string": ("/v1/completions", {"n": "2"}, "n", "`n` must be 1, found '2'"),
+    "n_fractional": ("/v1/completions", {"n": 1.5}, "n", "`n` must be 1"),
 }
 
 
@@ -144,12 +160,67 @@ def test_a_request_that_is_not_one_hand_off_is_a_400_before_any_upstream_call(
     assert p.bodies == [] and d.bodies == []  # neither P nor D saw it
 
 
-@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b'"hi"'])
+@pytest.mark.parametrize("body", [
+    b"{not json", b"[1, 2]", b'"hi"',
+    b'{"prompt": "hi", "temperature": NaN}', b'{"prompt": "hi", "top_p": Infinity}',
+    b"[" * 100_000 + b"]" * 100_000,  # nesting past any parser's recursion
+    b"{\"prompt\": \"\xff\"}",  # not UTF-8
+], ids=["not_json", "list", "string", "nan", "infinity", "deep", "not_utf8"])
 def test_a_body_that_is_not_a_json_object_is_a_400_before_any_upstream_call(upstreams, body):
     p, d = upstreams("prefill"), upstreams("echo")
     r = complete(p.url, d.url, body)
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     assert p.bodies == [] and d.bodies == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("answer", ["not_json", "json_list"])
+def test_a_p_whose_200_is_no_json_object_is_a_502_naming_it(upstreams, answer, stream):
+    p, d = upstreams(answer), upstreams("echo")
+    r = complete(p.url, d.url, {"model": "m", "prompt": "hi", "max_tokens": 7, "stream": stream})
+    assert r.status_code == 502
+    error = r.json()["error"]
+    assert (error["type"], error["upstream"], error["url"]) == ("upstream_failed", "prefill", p.url)
+    assert d.bodies == []
+
+
+@pytest.mark.parametrize("n", [1, 1.0, None])
+def test_n_of_one_in_any_of_its_shapes_is_handed_off(upstreams, n):
+    p, d = upstreams("prefill"), upstreams("echo")
+    r = complete(p.url, d.url, {"model": "m", "prompt": "hi", "max_tokens": 7, "n": n})
+    assert r.status_code == 200 and r.json()["kv_transfer_params"] == PARAMS
+
+
+def test_a_client_gone_before_d_starts_its_stream_closes_the_connection_to_d(upstreams):
+    """The client leaves while D has the request but has not answered its headers: the router
+    closes D's connection (vLLM's API server aborts the request on that), answering 499."""
+    p, d = upstreams("prefill"), upstreams("slow_headers")
+    app = build_app(p.url, d.url, timeout_s=60)
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 7, "stream": True}).encode()
+    given: list[bool] = []
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        if not given:
+            given.append(True)
+            return {"type": "http.request", "body": body, "more_body": False}
+        if d.bodies:  # D has it: the client leaves now
+            return {"type": "http.disconnect"}
+        await asyncio.sleep(3600)  # nothing yet (the router's check cancels this wait)
+        raise AssertionError("unreachable")
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path":
+             b"/v1/completions", "query_string": b"", "root_path": "", "server":
+             ("router", 80), "client": ("127.0.0.1", 1),
+             "headers": [(b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode())]}
+    asyncio.run(app(scope, receive, send))
+    assert d.closed.wait(30), "D's connection stayed open after the client left"
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
 
 
 @pytest.mark.parametrize("prompt", [[5, 6, 7], ["hi"], [[5, 6, 7]]])

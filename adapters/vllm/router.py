@@ -23,15 +23,20 @@ Two details a router of your own needs too:
   connection the server is closing at the moment it is reused fails the
   request with a reset (``httpx.ReadError``) that no retry may hide: P may
   already have started the prefill.
-* An upstream that cannot be reached or hangs up answers the client ``502``
-  with a JSON body naming the upstream and the error, never a bare ``500``.
+* An upstream that cannot be reached or hangs up, or a P whose ``200`` is
+  not a JSON object, answers the client ``502`` with a JSON body naming the
+  upstream and the error, never a bare ``500``.
 * One request hands off one KV cache: P answers one ``kv_transfer_params``
   and D accepts each only once.  A batched ``prompt`` (a list of strings or
   of token-id lists, or several ``prompt_embeds``) or ``n`` > 1 (vLLM runs
   ``n`` child requests with the same parameters) would fail on D, so the
   router answers ``400`` with a JSON body naming the field before calling
-  P or D (`one_hand_off_problem`).  So does a body that is not a JSON object.
+  P or D (`one_hand_off_problem`).  So does a body that is not a JSON object
+  (strict JSON: no ``NaN`` or ``Infinity``, nesting within orjson's limit).
+  ``n`` must be absent, ``null`` or the number 1: vLLM reads ``"2"`` as 2.
   (``best_of`` is no field of vLLM 0.32's completion requests: it is ignored.)
+* The client's disconnect is passed on at every stage, waiting for D's
+  stream to start included.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -82,10 +88,10 @@ def one_hand_off_problem(body: Any) -> tuple[str, str] | None:
                                  f"{len(embeds)}: one request hands off one KV cache (send one "
                                  f"request per prompt)")
     n = body.get("n")
-    if isinstance(n, int | float) and not isinstance(n, bool) and n > 1:
+    if n is not None and not (type(n) in (int, float) and n == 1):
         return "n", (f"`n` must be 1, found {n!r}: one request hands off one KV cache, and D "
-                     f"would run {n!r} sequences on one prefill's parameters, which D accepts "
-                     f"once (send {n!r} requests)")
+                     f"would run n sequences on one prefill's parameters, which D accepts "
+                     f"once (send one request per sequence)")
     return None
 
 
@@ -95,9 +101,17 @@ def _bad_request(param: str, message: str) -> Response:
                                    "param": param or None, "code": 400}}, status_code=400)
 
 
-def _upstream_failed(name: str, url: str, exc: httpx.TransportError) -> Response:
+def _upstream_failed(name: str, url: str, exc: Exception) -> Response:
     return JSONResponse({"error": {"type": "upstream_failed", "upstream": name, "url": url,
                                    "reason": f"{type(exc).__name__}: {exc}"}}, status_code=502)
+
+
+def _params_of(p: httpx.Response) -> Any:
+    """P's ``kv_transfer_params`` from its ``200``; ValueError if the body is no JSON object."""
+    answer = orjson.loads(p.content)
+    if not isinstance(answer, dict):
+        raise ValueError(f"P's answer must be a JSON object, found {type(answer).__name__}")
+    return answer.get("kv_transfer_params")
 
 
 def build_app(prefill_url: str, decode_url: str, timeout_s: float = 300.0,
@@ -111,11 +125,14 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 300.0,
 
     app = FastAPI(title="kvhandoff example router", lifespan=lifespan)
 
-    async def post(name: str, base: str, path: str, body: dict,
-                   request: Request) -> httpx.Response | Response:
-        """POST to an upstream; the client's disconnect (499) or the upstream's failure (502)
-        comes back as the router's own answer."""
-        call = asyncio.ensure_future(client.post(f"{base}{path}", json=body))
+    async def post(name: str, base: str, path: str, body: dict, request: Request,
+                   stream: bool = False) -> httpx.Response | Response:
+        """POST to an upstream (``stream``: return once its headers came); the client's
+        disconnect (499) or the upstream's failure (502) comes back as the router's own
+        answer."""
+        call = asyncio.ensure_future(client.send(
+            client.build_request("POST", f"{base}{path}", content=orjson.dumps(body),
+                                 headers={"content-type": "application/json"}), stream=stream))
         try:
             return await _until_disconnected(request, call)
         except asyncio.CancelledError:
@@ -130,9 +147,9 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 300.0,
                         media_type=r.headers.get("content-type"))
 
     async def handle(path: str, request: Request) -> Response:
-        try:
-            body = await request.json()
-        except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError
+        try:  # strict JSON (orjson): NaN, Infinity or nesting past its limit are refused
+            body = orjson.loads(await request.body())
+        except orjson.JSONDecodeError as exc:
             return _bad_request("", f"the request body is not JSON ({exc})")
         problem = one_hand_off_problem(body)
         if problem is not None:
@@ -141,14 +158,15 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 300.0,
         p = await post("prefill", prefill_url, path, p_body, request)
         if isinstance(p, Response) or p.status_code != 200:
             return passed_on(p)
-        d_body = body | {"kv_transfer_params": p.json().get("kv_transfer_params")}
+        try:
+            d_body = body | {"kv_transfer_params": _params_of(p)}
+        except ValueError as exc:  # orjson.JSONDecodeError is one
+            return _upstream_failed("prefill", prefill_url, exc)
         if not body.get("stream"):
             return passed_on(await post("decode", decode_url, path, d_body, request))
-        try:
-            upstream = await client.send(
-                client.build_request("POST", f"{decode_url}{path}", json=d_body), stream=True)
-        except httpx.TransportError as exc:
-            return _upstream_failed("decode", decode_url, exc)
+        upstream = await post("decode", decode_url, path, d_body, request, stream=True)
+        if isinstance(upstream, Response):
+            return upstream
         return StreamingResponse(_relay(upstream), status_code=upstream.status_code,
                                  media_type=upstream.headers.get("content-type"))
 
