@@ -244,6 +244,31 @@ def test_prefill_side_exports_with_a_token_or_reports_an_abort():
     assert [(e.request_id, e.num_blocks, e.token) for e in plan.exports] == [("p1", 3, parsed.token)]
 
 
+@pytest.mark.parametrize("client_id", ["a" * 260, "caf\x85e", "\x1b[2Jforged"])
+def test_p_exports_no_request_id_that_d_would_refuse(client_id):
+    """vLLM makes the request id from the client's X-Request-Id (``cmpl-<it>-<random>``):
+    one D refuses (too long, not printable) would pin P's blocks a whole lease for nothing.
+    P hands off nothing for it (vLLM frees the blocks; D computes the prompt itself) and
+    says why, the id escaped."""
+    from vllm.v1.request import RequestStatus
+
+    s = _sched(producer=True)
+    rid = f"cmpl-{client_id}-1234abcd"
+    r = _request(rid, params={"do_remote_decode": True},
+                 status=RequestStatus.FINISHED_LENGTH_CAPPED)
+    prompt = list(r.prompt_token_ids)
+    with capture_logs() as logs:
+        s.on_new_request(r)
+        s.update_state_after_alloc(r, _blocks([1, 2, 3]), 0)
+        assert s.request_finished(r, ([4, 5, 6],)) == (False, None)
+    assert r.prompt_token_ids == prompt  # not cut for a hand-off that will not happen
+    plan = s.build_plan()
+    assert not (plan.prefill_started or plan.exports or plan.aborted)
+    (error,) = [e for e in logs if e["log_level"] == "error"]
+    assert error["event"] == "vllm.connector.request_id_not_exportable"
+    assert error["request_id"].isprintable() and "\x1b" not in error["request_id"]
+
+
 def test_an_export_that_raises_ends_ps_record_and_exports_nothing():
     """P's ``request_finished`` raises while exporting (here: block lists that do not
     match the layout): nothing is exported, vLLM frees the pages, and P's worker hears

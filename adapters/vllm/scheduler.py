@@ -45,6 +45,7 @@ from kvhandoff.adapters.vllm.params import (
     MalformedTransferParams,
     parse_identity,
     parse_remote_prefill,
+    well_formed_id,
 )
 from kvhandoff.core.fence import FenceSlots
 from kvhandoff.core.groups import CacheLayout
@@ -150,6 +151,15 @@ class HandoffScheduler:
         rid = request.request_id
         if self.producer:
             if _is_remote_decode(params):
+                if not well_formed_id(rid):
+                    # D refuses such an id, so P would pin the blocks a whole lease for
+                    # nothing: no hand-off (vLLM frees them; the router's D then computes
+                    # the prompt itself).  vLLM makes the id from the client's
+                    # X-Request-Id or request_id (`cmpl-<it>-<random>`).
+                    log.error("vllm.connector.request_id_not_exportable",
+                              request_id=repr(rid[:300]), length=len(rid),
+                              reason="request ids must be 1..256 printable characters")
+                    return
                 self._p[rid] = False
                 self._truncate_for_prefill(request)
             return
