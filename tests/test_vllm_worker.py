@@ -585,6 +585,29 @@ def test_p_reports_a_free_even_when_what_follows_it_raises_every_step(workers, m
     assert _kinds(p, "r11").count("freed") == 1
 
 
+def test_a_completion_the_engine_raised_on_still_ends_the_request_once(workers, monkeypatch):
+    """D's engine raises taking one READ's completion (a bug, contained to that request):
+    the completion stays held, so the request still ends (vLLM hears it failed, once, and
+    D stops heartbeating, so P frees by its lease) instead of waiting for a completion
+    that was taken away (it hung: reading for ever, heartbeating P for ever)."""
+    p, d, pc, dc, port = workers
+    _export(p, "r13", 2, "tok-13")
+    real = d.consumer.split_done
+
+    def split_done(rid, *args, **kwargs):
+        if rid == "r13":
+            raise RuntimeError("injected into split_done")
+        return real(rid, *args, **kwargs)
+    monkeypatch.setattr(d.consumer, "split_done", split_done)
+    d.start_step(StepPlan(admits=[Admit("L13", _params("r13", port, (3, 4), "tok-13"), "",
+                                        2 * BLOCK)], reads=[Read("L13", [[20, 21]])]))
+    sent, recved, failed = _pump(p, d, lambda s, r, f: "L13" in r and "r13" in s,
+                                 timeout=LEASE + 10)
+    assert failed == {"L13"}  # vLLM recomputes it, never serves these pages as read
+    p_kinds = _kinds(p, "r13")
+    assert p_kinds.count("freed") == 1 and "lease_expired" in p_kinds  # D let go of it
+
+
 def test_an_earlier_stage_raising_every_step_does_not_stop_d_reporting(workers, monkeypatch):
     p, d, pc, dc, port = workers
     fired: list[str] = []

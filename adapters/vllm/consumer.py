@@ -627,9 +627,11 @@ class ConsumerHalf:
             return
         rid = inc.remote.request_id if inc.remote else ""
         while inc.held:  # one by one: what an error leaves stays held (arrived, not in flight)
-            handle, ok, reason = inc.held.pop(0)
-            split = inc.handles.pop(handle)
-            if self.consumer.split_done(rid, split, now, ok, reason) and ok:
+            handle, ok, reason = inc.held[0]
+            accepted = self.consumer.split_done(rid, inc.handles[handle], now, ok, reason)
+            inc.held.pop(0)  # (only now: a completion the engine did not take stays held, so
+            split = inc.handles.pop(handle)  # the request can still end, `_end_for_good`)
+            if accepted and ok:
                 self._count("bytes_read", inc.split_bytes[split])
                 for bucket in (self.stats, self.total):
                     kstats.add_read(bucket, now - inc.posted_at, inc.split_bytes[split])
