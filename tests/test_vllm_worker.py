@@ -714,8 +714,8 @@ def test_a_deferred_heartbeat_that_raises_costs_only_itself(workers, monkeypatch
     monkeypatch.setattr(p.producer, "_heartbeat", answer)
     with p.lock:  # two heartbeats that came before P folded the exports
         t = time.monotonic()
-        p.producer._deferred += [(t, "no-peer", messages.Heartbeat("D-x", 0, t, (rid,), ()))
-                                 for rid in ("a", "b")]
+        for rid in ("a", "b"):
+            p.producer._defer("no-peer", messages.Heartbeat("D-x", 0, t, (rid,), ()), t, (rid,))
     with capture_logs() as logs:
         p.finish_step()  # the engine step answers what waited
     assert answered == [("b",)]
