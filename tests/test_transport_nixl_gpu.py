@@ -382,3 +382,56 @@ def _report(name: str, result: dict) -> None:
 
         with open(path, "a") as f:
             f.write(json.dumps({"test": name, **result}) + "\n")
+
+
+# ---- the CUDA IPC gather's own device memory --------------------------------------------
+
+def _gather_case(regions: int, nb: int, bb: int, n: int):
+    """Per-layer regions of one source and one destination allocation (one gather job) and
+    a READ of ``n`` blocks shuffled on both sides: (pairs, remote, local, src, dst)."""
+    from kvhandoff.transports.nixl.cuda_ipc import GatherPair
+
+    src = torch.randint(0, 255, (regions, nb, bb), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros_like(src)
+    pairs = [GatherPair(src[i].data_ptr(), dst[i].data_ptr(), nb, nb, bb)
+             for i in range(regions)]
+    rng = np.random.default_rng(0)
+    return pairs, rng.permutation(nb)[:n], rng.permutation(nb)[:n], src, dst
+
+
+@pytest.mark.skipif(DRY_RUN, reason="the gather itself needs CUDA")
+def test_a_gather_into_shuffled_rows_stages_a_bounded_piece_not_the_read():
+    """A 2 GiB READ into shuffled destination rows took 2 GiB more of D's GPU (one
+    index_select of the whole READ); it stages at most GATHER_STAGING_BYTES now."""
+    from kvhandoff.transports.nixl.cuda_ipc import GATHER_STAGING_BYTES, Gatherer
+
+    pairs, remote, local, src, dst = _gather_case(32, 2048, 64 * 1024, 1024)  # 2 GiB read
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    read = Gatherer().gather(0, pairs, remote, local)
+    read.event.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    _report("gather_staging", {"read_bytes": 32 * 1024 * 64 * 1024, "extra_peak_bytes": extra})
+    assert extra <= GATHER_STAGING_BYTES + (1 << 20), extra  # (+ the index tensors)
+    ridx, lidx = torch.as_tensor(remote, device="cuda"), torch.as_tensor(local, device="cuda")
+    assert torch.equal(dst[:, lidx], src[:, ridx])
+
+
+@pytest.mark.skipif(DRY_RUN, reason="the gather itself needs CUDA")
+def test_a_gather_with_no_room_to_stage_hands_the_read_to_nixl():
+    """Out of device memory is a CudaIpcError (the transport then reads through NIXL), never
+    a failed READ."""
+    from kvhandoff.transports.nixl.cuda_ipc import GATHER_STAGING_BYTES, CudaIpcError, Gatherer
+
+    pairs, remote, local, src, dst = _gather_case(4, 1024, 64 * 1024, 512)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    filler = torch.empty(free - GATHER_STAGING_BYTES // 4, dtype=torch.uint8, device="cuda")
+    try:
+        with pytest.raises(CudaIpcError, match="no device memory"):
+            Gatherer().gather(0, pairs, remote, local)
+    finally:
+        del filler
+        torch.cuda.empty_cache()

@@ -283,6 +283,35 @@ def plan_jobs(pairs: Sequence[GatherPair], remote_blocks: np.ndarray,
                  local_blocks, p.src_pitch, p.dst_pitch) for p in pairs]
 
 
+# The most device memory a gather stages at once: a READ whose destination rows are not
+# one contiguous run goes through a temporary (``index_select``, then ``index_copy_`` or
+# a strided copy), in pieces of at most this many bytes, not the whole READ at once (a
+# 4 GiB READ took 4 GiB more of D's GPU, and failed where that much was not free).
+GATHER_STAGING_BYTES = 64 << 20
+
+
+def copy_rows(torch: Any, src: Any, dst: Any, remote: np.ndarray, local: np.ndarray, dev: Any,
+              chunk_rows: int) -> None:
+    """``dst[local] = src[remote]`` for row views of one job (on any device), staging at
+    most ``chunk_rows`` rows at a time; rows in order into a contiguous view go straight
+    into place."""
+    ridx = torch.from_numpy(np.ascontiguousarray(remote)).to(dev)
+    n = len(local)
+    if n and local[-1] - local[0] == n - 1 and (np.diff(local) == 1).all():
+        # local rows in order (the common case): straight into place
+        start = int(local[0])
+        rows = dst[start:start + n]
+        if rows.is_contiguous():
+            torch.index_select(src, 0, ridx, out=rows)
+            return
+        for i in range(0, n, chunk_rows):  # strided rows: gather, then a strided copy
+            rows[i:i + chunk_rows].copy_(src.index_select(0, ridx[i:i + chunk_rows]))
+        return
+    lidx = torch.from_numpy(np.ascontiguousarray(local)).to(dev)
+    for i in range(0, n, chunk_rows):
+        dst.index_copy_(0, lidx[i:i + chunk_rows], src.index_select(0, ridx[i:i + chunk_rows]))
+
+
 class Gatherer:
     """Launches gathers on one side stream per device; caches tensor views of memory."""
 
@@ -312,19 +341,13 @@ class Gatherer:
                     stream.synchronize()
                     raise CudaIpcError(f"memory at {job.src:#x} -> {job.dst:#x} cannot be "
                                        f"viewed on {dev}: {exc}") from None
-                ridx = torch.from_numpy(np.ascontiguousarray(job.remote)).to(dev)
-                lo = job.local
-                if len(lo) and lo[-1] - lo[0] == len(lo) - 1 and (np.diff(lo) == 1).all():
-                    # local rows in order (the common case): straight into place
-                    start = int(lo[0])
-                    rows = dst[start:start + len(lo)]
-                    if rows.is_contiguous():
-                        torch.index_select(src, 0, ridx, out=rows)
-                    else:  # strided rows: gather, then one strided copy kernel
-                        rows.copy_(src.index_select(0, ridx))
-                else:
-                    lidx = torch.from_numpy(np.ascontiguousarray(lo)).to(dev)
-                    dst.index_copy_(0, lidx, src.index_select(0, ridx))
+                try:
+                    copy_rows(torch, src, dst, job.remote, job.local, dev,
+                              max(1, GATHER_STAGING_BYTES // job.block_bytes))
+                except torch.cuda.OutOfMemoryError as exc:  # no room to stage: NIXL instead
+                    stream.synchronize()
+                    raise CudaIpcError(f"no device memory on {dev} to stage a gather of "
+                                       f"{len(job.remote)} blocks: {exc}") from None
             event = torch.cuda.Event()
             event.record(stream)
         return GatherRead(event)

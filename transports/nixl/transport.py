@@ -332,7 +332,7 @@ class NixlTransport:
                     self.descriptors_posted += group.descriptors
                     self.ipc_descriptors += group.descriptors
                     continue
-                except CudaIpcError as exc:  # memory torch cannot view in place: NIXL
+                except CudaIpcError as exc:  # memory torch cannot view, no room to stage: NIXL
                     log.info("nixl.cuda_ipc_gather_refused", agent=self.name, peer=p.name,
                              error=str(exc))
                 except Exception as exc:
