@@ -200,18 +200,20 @@ class ProducerEngine(LedgerEngine):
     def _heartbeat(self, sender: str, msg: Heartbeat, now: float, since: float,
                    step: ProducerStep) -> None:
         held = now - since < self.lease_s
-        waiting = tuple(rid for rid in msg.request_ids
-                        if isinstance(rec := self._rec(rid), ProducerRecord)
-                        and rec.state is PState.PREFILLING) if held else ()
-        if waiting:
-            tokens = (tuple(msg.token_of(msg.request_ids.index(r)) for r in waiting)
-                      if msg.tokens else ())
+        # By position (a set, not `in` over a tuple): linear in the heartbeat's length.
+        waiting_at = {i for i, rid in enumerate(msg.request_ids)
+                      if isinstance(rec := self._rec(rid), ProducerRecord)
+                      and rec.state is PState.PREFILLING} if held else set()
+        if waiting_at:
+            at = sorted(waiting_at)
+            waiting = tuple(msg.request_ids[i] for i in at)
+            tokens = tuple(msg.token_of(i) for i in at) if msg.tokens else ()
             self._defer(sender, Heartbeat(msg.engine, msg.rank, msg.sent_at, waiting, tokens),
                         since, (sender, Heartbeat, msg.rank, waiting, msg.engine, tokens))
         left: dict[str, float] = {}
         late = False
         for i, rid in enumerate(msg.request_ids):
-            if rid in waiting:
+            if i in waiting_at:
                 continue
             token = msg.token_of(i)
             rec = self._rec(rid)

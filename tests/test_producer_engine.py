@@ -117,6 +117,19 @@ def test_a_heartbeat_repeated_while_p_prefills_is_held_once_and_answered_once(en
     assert engine.poll(2.2).acks == []
 
 
+def test_a_heartbeat_is_answered_now_for_what_is_exported_and_later_for_what_prefills(engine):
+    """Each id with its own token, by position: the exported one extends its lease now, the
+    prefilling one is held with its token and answered once exported."""
+    _exported(engine, "r2", token="tok2")
+    engine.prefill_started("r1", 0.0)
+    step = engine.on_notification(D_AGENT, _hb(["r1", "r2"], 0.5, ["tok1", "tok2"]), 0.6)
+    (_, ack), = step.acks
+    assert ack.time_left == {"r2": LEASE}
+    engine.exported("r1", 0.7, 4, (0,), "tok1")
+    (_, ack), = engine.poll(0.8).acks
+    assert ack.time_left == {"r1": LEASE} and engine.state.record(P0, "r1").deadline == 0.8 + LEASE
+
+
 def test_a_repeated_heartbeat_held_back_is_let_go_a_lease_after_its_first_copy(engine):
     engine.prefill_started("r1", 0.0)
     engine.on_notification(D_AGENT, _hb(["r1"], sent_at=0.1), 0.2)

@@ -74,6 +74,9 @@ def test_params_round_trip():
     (lambda p: p.update(remote_request_id="r\u2028x"), "remote_request_id"),
     (lambda p: p.update(remote_engine_id="P\x85x"), r"remote_engine_id'\]: expected printable"),
     (lambda p: p.update(remote_host="h\x0bx"), "remote_host"),
+    # D's trust list compares names case-folded: KELVIN SIGN folds to "k", and D would dial
+    # another name than the one the list allowed
+    (lambda p: p.update(remote_host="\u212av-prefill.internal"), r"remote_host'\]: expected an ASCII"),
     (lambda p: p.update(release_token="t\nx"), "release_token"),
 ])
 def test_malformed_params_name_the_field(mutate, field):
@@ -90,6 +93,7 @@ def test_identity_survives_bad_block_ids_but_not_a_bad_port():
     assert parse_identity("not a dict") is None
     for field in ("remote_engine_id", "remote_request_id", "remote_host"):  # logged as text
         assert parse_identity({**p, field: "x\x1b[2K\rforged"}) is None, field
+    assert parse_identity({**p, "remote_host": "\u212av-prefill.internal"}) is None
 
 
 def test_config_defaults_follow_the_lease():

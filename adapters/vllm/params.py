@@ -105,6 +105,10 @@ def parse_remote_prefill(params: Any, max_block_id: int = 1 << 31) -> RemotePref
         if not value.isprintable():  # logged as text: a control character could forge a line
             raise MalformedTransferParams(
                 f"kv_transfer_params[{name!r}]: expected printable characters, found {value!r}")
+    if not host.isascii():  # D dials these bytes: the trust list must compare exactly them
+        raise MalformedTransferParams(
+            f"kv_transfer_params['remote_host']: expected an ASCII host name or address (an "
+            f"internationalized name in its xn-- form), found {host!r}")
     if not 0 < port < 65536:
         raise MalformedTransferParams(f"kv_transfer_params['remote_port']: expected 1..65535, found {port}")
     if tp < 1:
@@ -188,6 +192,7 @@ def parse_identity(params: Any) -> tuple[str, str, str, int, str] | None:
     except (MalformedTransferParams, TypeError, AttributeError):
         return None
     token = params.get("release_token", "")
-    if not all(map(well_formed_id, (engine, rid, host))) or not _well_formed_token(token):
+    if (not all(map(well_formed_id, (engine, rid, host))) or not host.isascii()
+            or not _well_formed_token(token)):
         return None
     return (engine, rid, host, port, token) if 0 < port < 65536 else None
