@@ -608,6 +608,39 @@ def test_a_completion_the_engine_raised_on_still_ends_the_request_once(workers, 
     assert p_kinds.count("freed") == 1 and "lease_expired" in p_kinds  # D let go of it
 
 
+def test_addresses_from_requests_cost_d_a_bounded_number_of_threads_and_entries(
+        workers, monkeypatch):
+    """Each request may name another P address (any port of loopback is trusted by
+    default): D runs at most MAX_HANDSHAKES handshakes at once, refusing more requests
+    than that with a typed error, and remembers at most MAX_REFUSED failed addresses."""
+    from kvhandoff.adapters.vllm import consumer as consumer_mod
+
+    p, d, pc, dc, port = workers
+    release = threading.Event()
+
+    def handshake(host, port, *args):  # an address that never answers, until released
+        release.wait(30)
+        raise ConnectionError(f"{host}:{port} did not answer")
+    monkeypatch.setattr(consumer_mod, "handshake", handshake)
+    monkeypatch.setattr(consumer_mod, "MAX_HANDSHAKES", 4)
+    monkeypatch.setattr(consumer_mod, "MAX_REFUSED", 3)
+    now = time.monotonic()
+
+    def remote(i: int) -> RemotePrefill:
+        return RemotePrefill("P-x", f"x{i}", f"127.0.0.{i + 2}", 40000, 1, ((1,),), BLOCK, LEASE)
+    threads = threading.active_count()
+    assert [d._peer_for(remote(i), now) for i in range(4)] == [None] * 4  # handshakes run
+    with pytest.raises(consumer_mod.ProducerRefused, match="at most 4"):
+        d._peer_for(remote(4), now)
+    assert threading.active_count() - threads == 4
+    release.set()
+    wait_for(lambda: all(b["done"].is_set() for b in d._handshakes.values()), 10,
+             "the handshakes to fail")
+    d._finish_handshakes(now)
+    assert len(d._refused) == 3 and remote(0).host not in {h for h, _ in d._refused}
+    assert d._peer_for(remote(4), now) is None  # room again: its handshake runs
+
+
 def test_an_earlier_stage_raising_every_step_does_not_stop_d_reporting(workers, monkeypatch):
     p, d, pc, dc, port = workers
     fired: list[str] = []

@@ -47,6 +47,10 @@ log = structlog.get_logger(__name__)
 
 
 REFUSE_S = 10.0  # a P address whose handshake failed is not tried again for this long
+# P addresses come from requests (within `trusted_producers`, by default all of loopback):
+# at most this many handshakes run at once, and this many failed addresses are remembered.
+MAX_HANDSHAKES = 256
+MAX_REFUSED = 1024
 UNCANCELLED_HOLD_S = 60.0  # a READ held until its client cancels, when none does
 
 _VERDICT_CLASS = {Verdict.UNSAFE: "unsafe", Verdict.PENDING: "unproven", Verdict.FAILED: "failed"}
@@ -181,6 +185,10 @@ class ConsumerHalf:
                 raise ProducerRefused(f"P at {key[0]}:{key[1]}: {refused[1]}", *refused[2:])
             del self._refused[key]
         if key not in self._handshakes:
+            if len(self._handshakes) >= MAX_HANDSHAKES:
+                raise ProducerRefused(f"P at {key[0]}:{key[1]}: {len(self._handshakes)} "
+                                      f"handshakes with other P addresses are running (at "
+                                      f"most {MAX_HANDSHAKES}): try again")
             box: dict[str, Any] = {"done": threading.Event()}
             self._handshakes[key] = box
             threading.Thread(target=self._handshake, args=(key, self.transport.metadata(), box),
@@ -240,9 +248,10 @@ class ConsumerHalf:
                 kind = reject_class(error)  # the class its parked requests are rejected as
                 if kind not in ("layout_version", "incompatible_peer"):
                     kind = "handshake_failed"
-                if len(self._refused) >= 1024:  # addresses come from requests: keep it bounded
-                    self._refused = {k: v for k, v in self._refused.items()
-                                     if now - v[0] < REFUSE_S}
+                if len(self._refused) >= MAX_REFUSED:  # keep it bounded: expired, then oldest
+                    kept = [(k, v) for k, v in self._refused.items() if now - v[0] < REFUSE_S]
+                    self._refused = dict(kept[len(kept) - MAX_REFUSED + 1:] if
+                                         len(kept) >= MAX_REFUSED else kept)
                 self._refused[key] = (now, f"handshake failed: {type(error).__name__}: {error}",
                                       kind)
                 log.error("vllm.worker.handshake_failed", address=f"{key[0]}:{key[1]}",
