@@ -431,10 +431,11 @@ def test_an_untrusted_producer_gets_not_a_single_packet(tmp_path, trusted, port,
 
 def test_what_d_remembers_of_failed_handshakes_stays_bounded(tmp_path):
     """The addresses D dials come from requests: a failed one is refused for REFUSE_S,
-    then tried again; past 1,024 remembered, those older than that are forgotten."""
+    then tried again; past MAX_REFUSED remembered, the expired and then the oldest are
+    forgotten (they are tried again)."""
     import threading
 
-    from kvhandoff.adapters.vllm.consumer import REFUSE_S
+    from kvhandoff.adapters.vllm.consumer import MAX_REFUSED, REFUSE_S
 
     extra = {"lease_s": LEASE, "log_dir": str(tmp_path)}
     d = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "D-h", Side.D, 0, 2, COMPAT)
@@ -448,7 +449,8 @@ def test_what_d_remembers_of_failed_handshakes_stays_bounded(tmp_path):
             d._finish_handshakes(now)
     try:
         fail([("127.0.0.1", port) for port in range(1000, 2100)], now=0.0)
-        assert len(d._refused) == 1100  # all refused now: each is still being refused
+        assert list(d._refused) == [("127.0.0.1", port)
+                                    for port in range(2100 - MAX_REFUSED, 2100)]  # the newest
         fail([("127.0.0.2", port) for port in range(1000, 1100)], now=REFUSE_S + 1)
         assert set(d._refused) == {("127.0.0.2", port) for port in range(1000, 1100)}
     finally:
