@@ -643,6 +643,28 @@ def test_addresses_from_requests_cost_d_a_bounded_number_of_threads_and_entries(
     assert d._peer_for(remote(4), now) is None  # room again: its handshake runs
 
 
+def test_a_report_is_never_lost_to_an_error_later_in_its_step(workers, monkeypatch):
+    """The engine reports a request once: a step that also posts a fence READ which raises
+    (here: for another request, injected into the very step of the report) still hands
+    vLLM the report (it was lost, and vLLM waited for ever)."""
+    p, d, pc, dc, port = workers
+    real = d.consumer.poll
+
+    def poll(now):
+        step = real(now)
+        if step.finished:
+            step.fences.append(("ghost", "nobody", 0, 0, now))
+        return step
+
+    def post_fence(rid, *args):
+        raise RuntimeError("injected into a fence post")
+    monkeypatch.setattr(d.consumer, "poll", poll)
+    monkeypatch.setattr(d, "_post_fence", post_fence)
+    with capture_logs():
+        _done_handoff(p, d, port, "r14", "L14", (15,), "tok-14", [15])  # vLLM hears L14
+    assert _same(pc, dc, (15,), (15,))
+
+
 def test_an_earlier_stage_raising_every_step_does_not_stop_d_reporting(workers, monkeypatch):
     p, d, pc, dc, port = workers
     fired: list[str] = []

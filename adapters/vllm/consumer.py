@@ -478,7 +478,15 @@ class ConsumerHalf:
             self.consumer.fence_read(rid, None, now, planned)
 
     def _carry_out(self, step: ConsumerStep, now: float) -> None:
-        """Send what the engine decided and hand vLLM what it must hear."""
+        """Hand vLLM what it must hear, then send what the engine decided.
+
+        Reports first: the engine reports a request once, so one lost to an error in a
+        later part of this step (a fence post, a send) would leave vLLM waiting for ever.
+        """
+        for f in step.finished:
+            inc = self._incoming.get(self._by_remote.get(f.request_id) or "")
+            if inc is not None:
+                self._contained("report", inc.local_id, now, self._report, f.request_id, inc, f)
         for rid, peer, _rank, slot, planned in step.fences:
             self._post_fence(rid, peer, slot, planned, now)
         for peer, hb, urgent in step.heartbeats:
@@ -492,10 +500,6 @@ class ConsumerHalf:
                         waited_s=round(now - rec.posted_at, 3),
                         timeout_s=self.cfg.read_timeout_s, lease_s=rec.lease_s,
                         splits_in_flight=self.consumer.in_flight(rid))
-        for f in step.finished:
-            inc = self._incoming.get(self._by_remote.get(f.request_id) or "")
-            if inc is not None:
-                self._contained("report", inc.local_id, now, self._report, f.request_id, inc, f)
 
     def _report(self, rid: str, inc: IncomingHandoff, f: Finished) -> None:
         """The engine reported ``rid`` (``finished_recving``): tell vLLM, once."""
