@@ -161,6 +161,55 @@ def all_released_once(agent: FakeAgent) -> bool:
         set(agent.released.values()) == {1}
 
 
+class _Kernel:
+    """A CUDA IPC gather's event, without a GPU: running until ``synchronize``."""
+
+    def __init__(self) -> None:
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.waited
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+
+def test_close_waits_for_a_gather_kernel_before_unmapping_what_it_copies(fake, monkeypatch):
+    """A kernel cannot be cancelled: past ``close_timeout_s`` close waits on its event (it
+    handed the GatherRead to NIXL's release, which is no NIXL handle, and unmapped the
+    peer's memory under the running kernel)."""
+    from kvhandoff.transports.nixl.cuda_ipc import GatherRead
+
+    d, agent = fake
+    kernel = _Kernel()
+    monkeypatch.setattr(d, "_gather_pairs", lambda peer, group: (0, ["pair"]))
+    monkeypatch.setattr(d._gatherer, "gather", lambda *a: GatherRead(kernel))
+    d.post_read("P", ReadRequest((BlockRun(0, 0, 4),), LAYERS))
+    assert d.poll() == []  # the kernel runs
+    d.close_timeout_s = 0.0
+    with capture_logs() as logs:
+        d.close()
+    assert kernel.waited and agent.made == 0 and not agent.released
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == [
+        "nixl.close_abandons_read"]
+
+
+def test_a_peer_that_fails_to_go_still_hands_out_the_completion_it_waited_for(fake, monkeypatch):
+    """Removing a peer with a READ in flight drops it when the READ ends; a NIXL error on
+    the way (releasing its descriptor list) must not lose that READ's completion."""
+    d, agent = fake
+    h = d.post_read("P", ReadRequest(coalesce([1, 2], [3, 4]), LAYERS))
+    d.remove_peer("P")
+
+    def refuse(handle):
+        raise RuntimeError("NIXL_ERR_BACKEND")
+    monkeypatch.setattr(agent, "release_dlist_handle", refuse)
+    agent.state[1] = "DONE"
+    with capture_logs():
+        (c,) = d.poll()
+    assert (c.handle, c.ok) == (h, True) and "P" not in d._peers and all_released_once(agent)
+
+
 def test_it_is_a_transport(fake):
     d, _ = fake
     assert isinstance(d, Transport)

@@ -455,7 +455,13 @@ class NixlTransport:
             log.warning("nixl.close_abandons_read", agent=self.name, handle=pending.handle,
                         peer=pending.peer)
             for xfer in pending.xfers:
-                self._release(xfer)
+                if isinstance(xfer, GatherRead):  # a kernel cannot be cancelled: let it end
+                    try:  # before the memory it copies between is unmapped
+                        xfer.event.synchronize()
+                    except Exception as exc:
+                        log.warning("nixl.close_gather_failed", agent=self.name, error=repr(exc))
+                else:
+                    self._release(xfer)
         self._pending.clear()
         for p in list(self._peers.values()):
             self._drop_peer(p)
@@ -615,15 +621,23 @@ class NixlTransport:
             log.warning("nixl.release_failed", agent=self.name, error=repr(exc))
 
     def _drop_peer(self, p: _Peer) -> None:
+        """Forget ``p`` whatever fails on the way (each failure logged): a READ's completion
+        that made the peer go must still be handed out."""
+        self._peers.pop(p.name, None)
         if p.ipc is not None:
             self._gatherer.forget()  # cached views of the memory about to be unmapped
-            p.ipc.close()
+            try:
+                p.ipc.close()
+            except Exception as exc:
+                log.warning("nixl.ipc_close_failed", agent=self.name, peer=p.name, error=repr(exc))
             p.ipc = None
         for dlist in p.side.dlists.values():
-            self._agent.release_dlist_handle(dlist)
+            try:
+                self._agent.release_dlist_handle(dlist)
+            except Exception as exc:
+                log.warning("nixl.release_failed", agent=self.name, peer=p.name, error=repr(exc))
         try:
             self._agent.remove_remote_agent(p.name)
         except Exception as exc:
             log.info("nixl.remove_remote_failed", agent=self.name, peer=p.name, error=repr(exc))
-        self._peers.pop(p.name, None)
 
