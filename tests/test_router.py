@@ -173,6 +173,23 @@ def test_a_body_that_is_not_a_json_object_is_a_400_before_any_upstream_call(upst
     assert p.bodies == [] and d.bodies == []
 
 
+@pytest.mark.parametrize("body", [
+    b'{"model": "m", "prompt": "hi", "priority": 18446744073709551617}',  # past 64 bits
+    b'{"model": "m", "prompt": "hi", "x": ' + b"[" * 300 + b"]" * 300 + b"}",
+    b'\xef\xbb\xbf{"model": "m", "prompt": "hi"}',  # a UTF-8 byte-order mark
+], ids=["big_int", "nested_300", "bom"])
+def test_what_vllm_itself_reads_is_passed_on_exactly(upstreams, body):
+    """The router parses as vLLM's API server does (Python's json): nothing it would take
+    is refused or changed on the way."""
+    p, d = upstreams("prefill"), upstreams("echo")
+    r = complete(p.url, d.url, body)
+    assert r.status_code == 200, r.text[:300]
+    sent = json.loads(body)
+    assert r.json() == sent | {"kv_transfer_params": PARAMS}
+    assert {k: v for k, v in p.bodies[0].items() if k not in ("max_tokens", "max_completion_tokens",
+            "stream", "kv_transfer_params")} == sent
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("answer", ["not_json", "json_list"])
 def test_a_p_whose_200_is_no_json_object_is_a_502_naming_it(upstreams, answer, stream):

@@ -377,7 +377,7 @@ def test_cuda_ipc_gather_jobs_copy_exactly_what_the_pairs_say(gap, strides):
 def test_a_gather_stages_at_most_its_chunk_and_copies_exactly_the_rows(local, chunk_rows):
     """`copy_rows`, the gather kernel's body, on CPU tensors: ``dst[local] = src[remote]``
     and nothing else, staging no more than ``chunk_rows`` rows at a time (it staged the
-    whole READ: a 4 GiB READ took 4 GiB more of D's GPU, measured on an H200)."""
+    whole READ: a 2 GiB READ took 2 GiB more of D's GPU, measured on an H200)."""
     import torch
 
     from kvhandoff.transports.nixl.cuda_ipc import copy_rows

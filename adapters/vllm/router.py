@@ -32,7 +32,9 @@ Two details a router of your own needs too:
   ``n`` child requests with the same parameters) would fail on D, so the
   router answers ``400`` with a JSON body naming the field before calling
   P or D (`one_hand_off_problem`).  So does a body that is not a JSON object
-  (strict JSON: no ``NaN`` or ``Infinity``, nesting within orjson's limit).
+  or not strict JSON (``NaN``, ``Infinity``, nesting past Python's recursion
+  limit); integers of any size pass on exactly, as vLLM's own parser reads
+  them.
   ``n`` must be absent, ``null`` or the number 1: vLLM reads ``"2"`` as 2.
   (``best_of`` is no field of vLLM 0.32's completion requests: it is ignored.)
 * The client's disconnect is passed on at every stage, waiting for D's
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -106,6 +109,15 @@ def _upstream_failed(name: str, url: str, exc: Exception) -> Response:
                                    "reason": f"{type(exc).__name__}: {exc}"}}, status_code=502)
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _encoded(body: dict) -> bytes:
+    """``body`` as strict JSON (ValueError, RecursionError: it cannot be)."""
+    return json.dumps(body, allow_nan=False, separators=(",", ":")).encode()
+
+
 def _params_of(p: httpx.Response) -> Any:
     """P's ``kv_transfer_params`` from its ``200``; ValueError if the body is no JSON object."""
     answer = orjson.loads(p.content)
@@ -130,8 +142,12 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 300.0,
         """POST to an upstream (``stream``: return once its headers came); the client's
         disconnect (499) or the upstream's failure (502) comes back as the router's own
         answer."""
+        try:
+            content = _encoded(body)
+        except (ValueError, RecursionError) as exc:
+            return _bad_request("", f"the request cannot be passed on as JSON ({exc})")
         call = asyncio.ensure_future(client.send(
-            client.build_request("POST", f"{base}{path}", content=orjson.dumps(body),
+            client.build_request("POST", f"{base}{path}", content=content,
                                  headers={"content-type": "application/json"}), stream=stream))
         try:
             return await _until_disconnected(request, call)
@@ -147,9 +163,10 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 300.0,
                         media_type=r.headers.get("content-type"))
 
     async def handle(path: str, request: Request) -> Response:
-        try:  # strict JSON (orjson): NaN, Infinity or nesting past its limit are refused
-            body = orjson.loads(await request.body())
-        except orjson.JSONDecodeError as exc:
+        try:  # as vLLM parses it (any integer exactly, a UTF-8 BOM), but strict: no NaN
+            body = json.loads(await request.body(), parse_constant=_no_constant)
+            _encoded(body)  # what cannot be passed on is refused before P is called
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
             return _bad_request("", f"the request body is not JSON ({exc})")
         problem = one_hand_off_problem(body)
         if problem is not None:

@@ -286,7 +286,7 @@ def plan_jobs(pairs: Sequence[GatherPair], remote_blocks: np.ndarray,
 # The most device memory a gather stages at once: a READ whose destination rows are not
 # one contiguous run goes through a temporary (``index_select``, then ``index_copy_`` or
 # a strided copy), in pieces of at most this many bytes, not the whole READ at once (a
-# 4 GiB READ took 4 GiB more of D's GPU, and failed where that much was not free).
+# 2 GiB READ took 2 GiB more of D's GPU, and failed where that much was not free).
 GATHER_STAGING_BYTES = 64 << 20
 
 
