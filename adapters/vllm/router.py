@@ -51,7 +51,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -120,7 +119,7 @@ def _encoded(body: dict) -> bytes:
 
 def _params_of(p: httpx.Response) -> Any:
     """P's ``kv_transfer_params`` from its ``200``; ValueError if the body is no JSON object."""
-    answer = orjson.loads(p.content)
+    answer = json.loads(p.content)
     if not isinstance(answer, dict):
         raise ValueError(f"P's answer must be a JSON object, found {type(answer).__name__}")
     return answer.get("kv_transfer_params")
@@ -177,7 +176,7 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 300.0,
             return passed_on(p)
         try:
             d_body = body | {"kv_transfer_params": _params_of(p)}
-        except ValueError as exc:  # orjson.JSONDecodeError is one
+        except (ValueError, RecursionError) as exc:  # json.JSONDecodeError is a ValueError
             return _upstream_failed("prefill", prefill_url, exc)
         if not body.get("stream"):
             return passed_on(await post("decode", decode_url, path, d_body, request))
