@@ -250,8 +250,7 @@ class ConsumerHalf:
                     kind = "handshake_failed"
                 if len(self._refused) >= MAX_REFUSED:  # keep it bounded: expired, then oldest
                     kept = [(k, v) for k, v in self._refused.items() if now - v[0] < REFUSE_S]
-                    self._refused = dict(kept[len(kept) - MAX_REFUSED + 1:] if
-                                         len(kept) >= MAX_REFUSED else kept)
+                    self._refused = dict(kept[max(0, len(kept) - MAX_REFUSED + 1):])
                 self._refused[key] = (now, f"handshake failed: {type(error).__name__}: {error}",
                                       kind)
                 log.error("vllm.worker.handshake_failed", address=f"{key[0]}:{key[1]}",
