@@ -290,12 +290,14 @@ def _cancel_run(route: _Route, args: argparse.Namespace) -> dict[str, Any]:
     got = asyncio.run(cancelling_client(f"{route.router_url}/v1/completions", bodies, plan,
                                         args.cancel_concurrency))
     wall = time.monotonic() - t0
+    running_at_close = _metric(route.d.url, "vllm:num_requests_running")
     (route.workdir / "cancel.json").write_text(json.dumps(
         [{"cancel_after": c, **g} for c, g in zip(plan, got, strict=True)], indent=1))
     # vLLM 0.32 counts no aborts in its metrics; what D generated shows where it stopped.
     # D aborts a request once its API server noticed the closed stream: wait for that.
     _wait(lambda: _metric(route.d.url, "vllm:num_requests_running") == 0, 60,
           "D to finish or abort every request", 0.2)
+    idle_after = time.monotonic() - t0 - wall
     generated = (_metric(route.d.url, "vllm:generation_tokens_total") or 0.0) - generated_before
     planned = [i for i in range(n) if plan[i] is not None]
     kept = [i for i in range(n) if plan[i] is None]
@@ -310,7 +312,11 @@ def _cancel_run(route: _Route, args: argparse.Namespace) -> dict[str, Any]:
             "completed": sum(1 for i in kept if got[i]["status"] == 200
                              and got[i]["tokens"] == out),
             "failed": sum(1 for i in range(n) if got[i]["status"] != 200),
-            "wall_s": round(wall, 2)}
+            "wall_s": round(wall, 2),
+            # D's requests still running as the client closed its last stream (0: D had
+            # finished or aborted each already), and the time until none was
+            "d_running_at_last_close": running_at_close,
+            "d_idle_after_s": round(idle_after, 2)}
 
 
 # ---- P's frees and the replay --------------------------------------------------------

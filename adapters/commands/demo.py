@@ -112,8 +112,9 @@ def _logs_to_stderr() -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
-    from kvhandoff.adapters.vllm.demo import DemoOptions, demo_ok, run_demo
+    from kvhandoff.adapters.vllm.demo import DemoOptions, demo_problems, run_demo
 
     _logs_to_stderr()
 
@@ -122,26 +123,29 @@ def run(args: argparse.Namespace) -> int:
                        output_tokens=args.output_tokens, lease_s=args.lease, seed=args.seed,
                        workdir=args.workdir)
     if getattr(args, "http", False):
-        from kvhandoff.adapters.vllm.http_demo import http_demo_ok, run_http_demo
+        from kvhandoff.adapters.vllm.http_demo import http_demo_problems, run_http_demo
 
         if args.requests < args.cancel + 2:
             sys.stderr.write(f"kvhandoff demo --http: --requests {args.requests} needs at least "
                              f"--cancel ({args.cancel}) + 2: one through the router, one "
                              f"malformed\n")
             return 2
-        run_it, ok, show = run_http_demo, http_demo_ok, _print_http_human
+        run_it, problems, show = run_http_demo, http_demo_problems, _print_http_human
     else:
-        run_it, ok, show = run_demo, demo_ok, _print_human
+        run_it, problems, show = run_demo, demo_problems, _print_human
     with console.status("starting…") as status:
         def progress(stage: str, detail: str = "") -> None:
             status.update(f"[bold]{stage}[/] {detail}")
 
         summary = run_it(opts, progress)
+    summary["problems"] = problems(summary)
     if args.json:
         sys.stdout.write(orjson.dumps(summary).decode() + "\n")
     else:
         show(summary, console)
-    return 0 if ok(summary) else 1
+        for why in summary["problems"]:
+            console.print(f"  [red]check failed[/]: {escape(why)}")
+    return 1 if summary["problems"] else 0
 
 
 def main(argv: list[str] | None = None) -> int:

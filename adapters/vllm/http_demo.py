@@ -54,8 +54,8 @@ def text_prompts(n: int, lo: int, hi: int, seed: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi))) for _ in range(n)]
 
 
-def _processes(server: ServeProcess) -> set[tuple[int, float]]:
-    """(pid, start time) of a server's API process and every process below it."""
+def _processes(server: ServeProcess) -> set[tuple[int, float, str]]:
+    """(pid, start time, name) of a server's API process and every process below it."""
     import psutil
 
     root = psutil.Process(server.proc.pid)
@@ -63,24 +63,26 @@ def _processes(server: ServeProcess) -> set[tuple[int, float]]:
     out = set()
     for p in procs:
         try:
-            out.add((p.pid, p.create_time()))
+            out.add((p.pid, p.create_time(), p.name()))
         except psutil.NoSuchProcess:
             pass
     return out
 
 
-def _gone(procs: set[tuple[int, float]]) -> int:
-    """How many of ``procs`` no longer run (a restarted process has a new start time)."""
+def _gone(procs: set[tuple[int, float, str]]) -> list[str]:
+    """Those of ``procs`` that no longer run (a restarted process has a new start time),
+    as ``name(pid)``."""
     import psutil
 
-    n = 0
-    for pid, created in procs:
+    gone = []
+    for pid, created, name in sorted(procs):
         try:
             alive = psutil.Process(pid).create_time() == created
         except psutil.NoSuchProcess:
             alive = False
-        n += not alive
-    return n
+        if not alive:
+            gone.append(f"{name}({pid})")
+    return gone
 
 
 class _Router:
@@ -265,11 +267,14 @@ def run_http_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
             exported = {e.request_id for e in evs if e.kind == "exported"}
             freed = {e.request_id for e in evs if e.kind == "freed"}
             return bool(exported) and exported <= freed
+        t_batch = time.monotonic()
         try:
             _wait(all_freed, opts.lease_s + 30, "P to free every exported request", 0.2)
+            freed_after_s: float | None = round(time.monotonic() - t_batch, 2)
         except TimeoutError:
-            pass  # counted below: p_frees < p_exports
-        engine_restarts = _gone(procs) + sum(not s.alive() for s in run.servers)
+            freed_after_s = None  # counted below: p_frees < p_exports
+        gone = _gone(procs)
+        engine_restarts = len(gone) + sum(not s.alive() for s in run.servers)
         # A restarted engine moves its predecessor's log aside (<engine>.P0.<time>.jsonl).
         engine_restarts += len(list(run.log_dir.glob("demo-*.*.*.jsonl")))
         client.close()
@@ -304,11 +309,15 @@ def run_http_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
         "distinct_outputs": len({tuple(got[i]["token_ids"]) for i in completed}),
         "cancel_planned": len(cancel),
         "cancelled": sum(mid_read(i) for i in cancel),
+        "cancel_events": {got[i]["rid"]: [e.kind for e in _events(run.d_log, got[i]["rid"])]
+                          for i in sorted(cancel) if not mid_read(i)},
         "rejected": int(m["status"] >= 400),
         "malformed_status": m["status"],
         "malformed_rejected_in_d_log": any(e.kind == "rejected"
                                            for e in _events(run.d_log, m["rid"])),
         "engine_restarts": engine_restarts,
+        "engine_processes_gone": gone,
+        "p_all_freed_after_s": freed_after_s,
         "exit_codes": exit_codes,
         **reported(analysis),
         "latency_ms_median": _median([got[i]["latency_ms"] for i in completed]),
@@ -320,8 +329,21 @@ def run_http_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
     }
 
 
-def http_demo_ok(s: dict[str, Any]) -> bool:
-    return (s["completed"] == s["through_router"] and s["tokens_match"]
-            and s["cancelled"] == s["cancel_planned"] and s["rejected"] == 1
-            and s["engine_restarts"] == 0 and s["p_frees"] == s["p_exports"] > 0
-            and s["double_frees"] == 0 and s["replay_violations"] == 0)
+def http_demo_problems(s: dict[str, Any]) -> list[str]:
+    """The HTTP demo's checks that failed, each named with what was found (empty: all held)."""
+    return [why for failed, why in [
+        (s["completed"] != s["through_router"],
+         f"{s['completed']} of {s['through_router']} requests through the router completed "
+         f"(failed: {s['failed']})"),
+        (not s["tokens_match"], f"tokens do not equal P's own (mismatched: {s['mismatched']})"),
+        (s["cancelled"] != s["cancel_planned"],
+         f"{s['cancelled']} of {s['cancel_planned']} cancels landed mid-read "
+         f"(D's events per cancelled request: {s['cancel_events']})"),
+        (s["rejected"] != 1, f"the malformed request was answered {s['malformed_status']}"),
+        (s["engine_restarts"] != 0, f"{s['engine_restarts']} engine processes died or restarted "
+                                        f"(gone: {s['engine_processes_gone']})"),
+        (s["p_frees"] != s["p_exports"] or s["p_exports"] == 0,
+         f"P exported {s['p_exports']} requests and freed {s['p_frees']}"),
+        (s["double_frees"] != 0, f"P freed {s['double_frees']} request(s) twice"),
+        (s["replay_violations"] != 0, f"replay --check: {s['replay_violations']} violations"),
+    ] if failed]
