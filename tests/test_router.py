@@ -26,7 +26,8 @@ class Upstream:
     """An HTTP server on loopback; ``mode``: "prefill" answers with P's params,
     "echo" returns the body it got, "hang_up" closes without an answer, "not_json"
     and "json_list" answer 200 with a body that is no JSON object, "slow_headers"
-    answers nothing until the router closes the connection (``closed`` is set then)."""
+    answers nothing until the router closes the connection (``closed`` is set then),
+    "stream" streams events until the router closes the connection (``closed`` again)."""
 
     def __init__(self, mode: str) -> None:
         self.bodies: list[dict] = []
@@ -48,6 +49,23 @@ class Upstream:
                             break
                     self.close_connection = True
                     return
+                if mode == "stream":  # an event every 10 ms until the peer is gone (60 s)
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    try:
+                        for i in range(6000):
+                            self.wfile.write(b'data: {"choices": [{"text": "%d"}]}\n\n' % i)
+                            self.wfile.flush()
+                            if select.select([self.connection], [], [], 0.01)[0] and \
+                                    self.connection.recv(1, socket.MSG_PEEK) == b"":
+                                break
+                    except OSError:
+                        pass
+                    upstream.closed.set()
+                    self.close_connection = True
+                    return
                 answer = ({"kv_transfer_params": PARAMS} if mode == "prefill" else
                           [PARAMS] if mode == "json_list" else body)
                 data = b"<html>busy</html>" if mode == "not_json" else json.dumps(answer).encode()
@@ -62,7 +80,8 @@ class Upstream:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05},
+                         daemon=True).start()
 
     def close(self) -> None:
         self.server.shutdown()
@@ -238,6 +257,42 @@ def test_a_client_gone_before_d_starts_its_stream_closes_the_connection_to_d(ups
     asyncio.run(app(scope, receive, send))
     assert d.closed.wait(30), "D's connection stayed open after the client left"
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+
+
+def test_a_client_gone_mid_stream_closes_the_connection_to_d(upstreams):
+    """The router as users run it (uvicorn): a client that reads a few events of D's stream
+    and hangs up makes the router close D's connection, on which vLLM aborts the request."""
+    import uvicorn
+
+    p, d = upstreams("prefill"), upstreams("stream")
+    server = uvicorn.Server(uvicorn.Config(build_app(p.url, d.url, timeout_s=60),
+                                           host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        assert _until(lambda: server.started, 30), "the router did not start"
+        port = server.servers[0].sockets[0].getsockname()[1]
+        body = {"model": "m", "prompt": "hi", "max_tokens": 7, "stream": True}
+        with httpx.Client(timeout=30) as client, client.stream(
+                "POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            events = (line for line in r.iter_lines() if line.startswith("data: "))
+            assert [next(events) for _ in range(3)] == [
+                f'data: {{"choices": [{{"text": "{i}"}}]}}' for i in range(3)]
+            assert not d.closed.is_set()
+        assert d.closed.wait(30), "D's stream went on after the client left the router"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def _until(predicate, timeout_s: float) -> bool:
+    done = threading.Event()
+    for _ in range(int(timeout_s / 0.01)):
+        if predicate():
+            return True
+        done.wait(0.01)
+    return False
 
 
 @pytest.mark.parametrize("prompt", [[5, 6, 7], ["hi"], [[5, 6, 7]]])
