@@ -268,3 +268,25 @@ def test_the_http_demo_counts_a_process_that_died_or_restarted(tmp_path):
         proc.stdin.close()
         proc.wait(30)
     assert _gone(procs) == [f"python({me.pid})"]
+
+
+def test_a_demo_summary_names_each_check_that_failed():
+    """`problems` is computed from the summary's own numbers: a clean one has none, and
+    each broken number is named with what was found (the demos exit 1 on any)."""
+    from kvhandoff.adapters.vllm.demo import demo_problems
+    from kvhandoff.adapters.vllm.http_demo import http_demo_problems
+
+    clean = {"completed": 8, "through_router": 8, "failed": {}, "tokens_match": True,
+             "mismatched": [], "cancelled": 3, "cancel_planned": 3, "cancel_events": {},
+             "rejected": 1, "malformed_status": 400, "engine_restarts": 0,
+             "engine_processes_gone": [], "p_exports": 12, "p_frees": 12, "double_frees": 0,
+             "replay_violations": 0}
+    assert http_demo_problems(clean) == [] and demo_problems(clean) == []
+    broken = {"cancelled": 2, "cancel_events": {"r1": ["reads_posted"]}, "p_frees": 11,
+              "engine_restarts": 1, "engine_processes_gone": ["python(7)"]}
+    found = http_demo_problems(clean | broken)
+    assert len(found) == 3, found
+    assert "2 of 3 cancels landed mid-read" in found[0] and "'r1': ['reads_posted']" in found[0]
+    assert "python(7)" in found[1] and "exported 12 requests and freed 11" in found[2]
+    assert demo_problems(clean | {"tokens_match": False, "mismatched": ["r4"]}) == [
+        "tokens do not equal the reference (mismatched: ['r4'])"]
