@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
+from conftest import wait_for
 
 from kvhandoff.adapters.vllm.router import KEEPALIVE_S, build_app
 
@@ -270,7 +271,7 @@ def test_a_client_gone_mid_stream_closes_the_connection_to_d(upstreams):
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        assert _until(lambda: server.started, 30), "the router did not start"
+        wait_for(lambda: server.started, 30, "the router to start")
         port = server.servers[0].sockets[0].getsockname()[1]
         body = {"model": "m", "prompt": "hi", "max_tokens": 7, "stream": True}
         with httpx.Client(timeout=30) as client, client.stream(
@@ -284,15 +285,6 @@ def test_a_client_gone_mid_stream_closes_the_connection_to_d(upstreams):
     finally:
         server.should_exit = True
         thread.join(30)
-
-
-def _until(predicate, timeout_s: float) -> bool:
-    done = threading.Event()
-    for _ in range(int(timeout_s / 0.01)):
-        if predicate():
-            return True
-        done.wait(0.01)
-    return False
 
 
 @pytest.mark.parametrize("prompt", [[5, 6, 7], ["hi"], [[5, 6, 7]]])

@@ -210,13 +210,19 @@ def run_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
     }
 
 
+def p_and_replay_problems(s: dict[str, Any]) -> list[str]:
+    """What both demos check of P's frees and of the replay, when it failed."""
+    return [why for failed, why in [
+        (s["p_frees"] != s["p_exports"],
+         f"P exported {s['p_exports']} requests and freed {s['p_frees']}"),
+        (s["double_frees"] != 0, f"P freed {s['double_frees']} request(s) twice"),
+        (s["replay_violations"] != 0, f"replay --check: {s['replay_violations']} violations"),
+    ] if failed]
+
+
 def demo_problems(s: dict[str, Any]) -> list[str]:
     """The demo's checks that failed, each named with what was found (empty: all held)."""
     return [why for failed, why in [
         (not s["tokens_match"], f"tokens do not equal the reference (mismatched: {s['mismatched']})"),
-        (s["replay_violations"] != 0, f"replay --check: {s['replay_violations']} violations"),
-        (s["double_frees"] != 0, f"P freed {s['double_frees']} request(s) twice"),
         (s["completed"] == 0, "no request completed"),
-        (s["p_frees"] != s["p_exports"],
-         f"P exported {s['p_exports']} requests and freed {s['p_frees']}"),
-    ] if failed]
+    ] if failed] + p_and_replay_problems(s)
