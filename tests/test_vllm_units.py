@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -99,8 +100,23 @@ def test_identity_survives_bad_block_ids_but_not_a_bad_port():
 def test_config_defaults_follow_the_lease():
     c = HandoffConfig.from_extra({"lease_s": 12}, env={})
     assert (c.lease_s, c.heartbeat_interval_s, c.lease_margin_s) == (12.0, 2.0, 1.0)
-    assert c.side_channel_port == 5600 and c.failure_policy == "fail" and c.log_dir
+    assert c.side_channel_port == 5600 and c.failure_policy == "fail"
     assert HandoffConfig.from_extra({}, env={"VLLM_NIXL_SIDE_CHANNEL_PORT": "6100"}).side_channel_port == 6100
+
+
+def test_the_default_log_dir_is_one_per_engine_whichever_process_parses_it(tmp_path, monkeypatch):
+    # vLLM builds the connector in the scheduler's process and in each worker's, each
+    # parsing the same extra config: the scheduler prints the log dir, the workers
+    # write there, so every parse must name the same directory, and parsing creates none.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    scheduler = HandoffConfig.from_extra({}, env={}, engine_id="prefill-a")
+    worker = HandoffConfig.from_extra({}, env={}, engine_id="prefill-a")
+    other = HandoffConfig.from_extra({}, env={}, engine_id="decode-b")
+    assert scheduler.log_dir == worker.log_dir == str(tmp_path / "kvhandoff-events-prefill-a")
+    assert other.log_dir == str(tmp_path / "kvhandoff-events-decode-b")
+    assert list(tmp_path.iterdir()) == []
+    assert HandoffConfig.from_extra({"log_dir": "/var/log/kvh"}, env={},
+                                    engine_id="prefill-a").log_dir == "/var/log/kvh"
 
 
 @pytest.mark.parametrize("extra, policy, key", [

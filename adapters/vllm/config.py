@@ -11,7 +11,7 @@ with `ConnectorConfigError`, never discovered mid-request.
 | lease_margin_s         | min(1.0, lease_s/10)| D's safety margin on P's reported time left          |
 | read_timeout_s         | 30.0                | a READ still in flight after this is failed (sooner: one lease without word from P) |
 | failure_policy         | vLLM's kv_load_failure_policy | fail | recompute (must agree with vLLM's) |
-| log_dir                | a new temp dir      | where each engine writes its event log               |
+| log_dir                | $TMPDIR/kvhandoff-events-<engine_id> | where each engine writes its event log (created by its first worker) |
 | side_channel_host      | $VLLM_NIXL_SIDE_CHANNEL_HOST or 127.0.0.1 | P's metadata listener (advertised to D) |
 | side_channel_port      | $VLLM_NIXL_SIDE_CHANNEL_PORT or 5600 | P's listener port (+ TP rank)      |
 | handshake_timeout_s    | 5.0                 | D gives up on an unreachable P after this            |
@@ -85,7 +85,13 @@ class HandoffConfig:
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None, vllm_failure_policy: str = "fail",
-                   env: dict[str, str] | None = None) -> HandoffConfig:
+                   env: dict[str, str] | None = None, engine_id: str = "") -> HandoffConfig:
+        """The settings of engine ``engine_id`` (vLLM's ``kv_transfer_config.engine_id``).
+
+        Every process of one engine (the scheduler's and each worker's
+        connector) parses the same extra config, so each default is a function
+        of what they share: the default ``log_dir`` is named after the engine,
+        not made anew per process, and nothing is created here."""
         env = os.environ if env is None else env
         extra = dict(extra or {})
         known = {f.name for f in fields(cls)}
@@ -160,8 +166,14 @@ class HandoffConfig:
         elif TRUSTED_PRODUCERS_ENV in env:
             values["trusted_producers"] = _trusted_producers_from_env(env[TRUSTED_PRODUCERS_ENV])
         if not values.get("log_dir"):
-            values["log_dir"] = tempfile.mkdtemp(prefix="kvhandoff-events-")
+            values["log_dir"] = default_log_dir(engine_id)
         return cls(**values)
+
+
+def default_log_dir(engine_id: str) -> str:
+    """``$TMPDIR/kvhandoff-events-<engine_id>``: one directory per engine, the same
+    in each of its processes (the scheduler prints it; the workers write there)."""
+    return os.path.join(tempfile.gettempdir(), f"kvhandoff-events-{engine_id or 'engine'}")
 
 
 def _trusted_producers_from_env(raw: str) -> tuple[str, ...]:

@@ -161,7 +161,7 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
         self.layout = _check_topology(vllm_config, kv_cache_config)
         kvt = vllm_config.kv_transfer_config
         self.cfg = HandoffConfig.from_extra(kvt.kv_connector_extra_config,
-                                            kvt.kv_load_failure_policy)
+                                            kvt.kv_load_failure_policy, engine_id=kvt.engine_id)
         self.engine_id: str = kvt.engine_id
         self.producer = kvt.kv_role == "kv_producer"
         par = vllm_config.parallel_config
