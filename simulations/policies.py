@@ -3,7 +3,8 @@
 Both drive the same core and write the same kind of event log; they differ
 in the decisions the races are about, on both sides:
 
-* ``kvhandoff``: D heartbeats exactly what `core.policy.heartbeat_due` says
+* ``kvhandoff``: D heartbeats every request in a heartbeat state
+  (`core.lifecycle.HEARTBEAT_STATES`, the rule `core.policy.heartbeat_due` states)
   (a client cancel with reads in flight keeps heartbeating until the reads
   drained), proves the source was held by reading P's fence after the reads
   drained (or, where the fence proves nothing, by P's acknowledgement) and

@@ -68,9 +68,9 @@ class MutantStale(Exception):
 
 
 MUTANTS: tuple[Mutant, ...] = (
-    Mutant("stop_heartbeat_on_cancel", "core/policy.py",
-           "        if rec.state in HEARTBEAT_STATES:\n",
-           "        if rec.state in HEARTBEAT_STATES and not rec.cancelled:\n",
+    Mutant("stop_heartbeat_on_cancel", "core/lifecycle.py",
+           "    DState.READING, DState.CANCELLED_READING,\n})\n",
+           "    DState.READING,\n})\n",
            "D stops heartbeating a request when the client cancels, reads or not"),
     Mutant("skip_lease_bound_in_verdict", "core/lifecycle.py",
            "        elif done > rec.safe_until.get(rank, -math.inf):\n",

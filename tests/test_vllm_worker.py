@@ -56,14 +56,31 @@ def _caches(fill: bool) -> dict[str, object]:
     return {name: buf[i] for i, name in enumerate(NAMES)}
 
 
+class SkipClock:
+    """``time.monotonic()`` plus what a test skipped: the workers' threads keep their real
+    pace (heartbeats, READs, polls), and a lease that would take seconds runs out when the
+    test skips time, not after a wall-clock wait.  Only the test's thread skips."""
+
+    def __init__(self) -> None:
+        self.skipped = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.skipped
+
+    def skip(self, seconds: float) -> None:
+        self.skipped += seconds
+
+
 @pytest.fixture
 def workers(tmp_path):
+    """P and D on one `SkipClock` (``p.clock is d.clock``)."""
     port = free_port()
     extra = {"lease_s": LEASE, "heartbeat_interval_s": 0.3, "lease_margin_s": 0.2,
              "log_dir": str(tmp_path), "side_channel_port": port, "read_timeout_s": 10.0,
              "debug_read_delay_param": True}
-    p = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "P-w", Side.P, 0, 1, COMPAT)
-    d = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "D-w", Side.D, 0, 1, COMPAT)
+    clock = SkipClock()
+    p = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "P-w", Side.P, 0, 1, COMPAT, clock)
+    d = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "D-w", Side.D, 0, 1, COMPAT, clock)
     pc, dc = _caches(True), _caches(False)
     p.register_kv_caches(pc, LAYOUT)
     d.register_kv_caches(dc, LAYOUT)
@@ -93,12 +110,18 @@ def _params(rid: str, port: int, blocks: tuple[int, ...], token: str, **kw) -> d
     return r.to_wire()
 
 
-def _pump(p, d, until, timeout=10.0):
-    """Step both workers until ``until(sent, recved, failed)`` holds; return what they reported."""
+def _pump(p, d, until, timeout=10.0, skip=0.0):
+    """Step both workers until ``until(sent, recved, failed)`` holds; return what they reported.
+
+    ``skip``: seconds of the workers' `SkipClock` skipped each round (a round takes a few
+    milliseconds), so leases and held READs run their course at that pace while every
+    heartbeat still goes out and is answered on time.  ``timeout`` is wall-clock."""
     sent, recved, failed = set(), set(), set()
     deadline = time.monotonic() + timeout
     while not until(sent, recved, failed):
         assert time.monotonic() < deadline, (sent, recved, failed)
+        if skip:
+            p.clock.skip(skip)
         s, _, _ = p.finish_step()
         _, r, f = d.finish_step()
         assert not (s & sent) and not (r & recved), "reported twice"
@@ -144,7 +167,7 @@ def test_cancel_mid_read_keeps_heartbeating_until_the_read_drains(workers):
     d.start_step(StepPlan(admits=[Admit("L2", params, "", 2 * BLOCK)], reads=[Read("L2", [[20, 21]])]))
     _pump(p, d, lambda s, r, f: _d_state(d, "r2") is DState.READING)  # the READ is in flight
     d.start_step(StepPlan(cancels=["L2"]))  # the client went away while the READ is in flight
-    sent, recved, _ = _pump(p, d, lambda s, r, f: "r2" in s and "L2" in r, timeout=LEASE * 3)
+    sent, recved, _ = _pump(p, d, lambda s, r, f: "r2" in s and "L2" in r, skip=0.05)
     p_events = [e for e in read_log(p.flush()) if e.request_id == "r2"]
     kinds = [e.kind for e in p_events]
     assert "lease_expired" not in kinds and kinds.count("freed") == 1
@@ -292,12 +315,12 @@ def test_parameters_read_again_after_the_release_are_refused_not_served(workers,
         d2.close()
 
 
-def _done_handoff(p, d, port, rid, local, blocks, token, dest) -> dict:
+def _done_handoff(p, d, port, rid, local, blocks, token, dest, skip=0.0) -> dict:
     _export(p, rid, len(blocks), token)
     params = _params(rid, port, blocks, token)
     d.start_step(StepPlan(admits=[Admit(local, params, "", len(blocks) * BLOCK)],
                           reads=[Read(local, [dest])]))
-    _pump(p, d, lambda s, r, f: rid in s and local in r)
+    _pump(p, d, lambda s, r, f: rid in s and local in r, skip=skip)
     assert _d_state(d, rid) is DState.DONE
     return params
 
@@ -399,7 +422,7 @@ def test_an_exception_in_any_per_request_path_fails_only_that_request(workers, m
         fired.append("scheduler")
     d.start_step(plan)
     sent, recved, failed = _pump(p, d, lambda s, r, f: {"good", "bad"} <= s
-                                 and {"Lgood", "Lbad"} <= r, timeout=LEASE * 3)
+                                 and {"Lgood", "Lbad"} <= r, skip=0.05)
     assert fired and failed == {"Lbad"}
     assert _same(pc, dc, (1, 2), (10, 11))
     assert all(_kinds(p, rid).count("freed") == 1 for rid in ("good", "bad"))
@@ -557,7 +580,7 @@ def test_a_request_that_fails_every_step_ends_once_and_p_frees_it_by_lease(worke
         reads=[Read("Lgood", [[10, 11]]), Read("Lbad", [[20, 21]])]))
     with capture_logs() as logs:
         sent, recved, failed = _pump(p, d, lambda s, r, f: {"good", "bad"} <= s
-                                     and {"Lgood", "Lbad"} <= r, timeout=LEASE * 5)
+                                     and {"Lgood", "Lbad"} <= r, skip=0.05)
     assert len(fired) >= 2 and failed == {"Lbad"}
     assert "Lbad" not in d._incoming and "bad" not in d._by_remote
     (ended,) = [e for e in logs if e["event"] == "vllm.worker.request_ended"]
@@ -603,8 +626,7 @@ def test_a_completion_the_engine_raised_on_still_ends_the_request_once(workers, 
     monkeypatch.setattr(d.consumer, "split_done", split_done)
     d.start_step(StepPlan(admits=[Admit("L13", _params("r13", port, (3, 4), "tok-13"), "",
                                         2 * BLOCK)], reads=[Read("L13", [[20, 21]])]))
-    sent, recved, failed = _pump(p, d, lambda s, r, f: "L13" in r and "r13" in s,
-                                 timeout=LEASE + 10)
+    sent, recved, failed = _pump(p, d, lambda s, r, f: "L13" in r and "r13" in s, skip=0.05)
     assert failed == {"L13"}  # vLLM recomputes it, never serves these pages as read
     p_kinds = _kinds(p, "r13")
     assert p_kinds.count("freed") == 1 and "lease_expired" in p_kinds  # D let go of it
@@ -661,7 +683,7 @@ def test_a_report_is_never_lost_to_an_error_later_in_its_step(workers, monkeypat
     monkeypatch.setattr(d.consumer, "poll", poll)
     monkeypatch.setattr(d, "_post_fence", post_fence)
     with capture_logs():
-        _done_handoff(p, d, port, "r14", "L14", (15,), "tok-14", [15])  # vLLM hears L14
+        _done_handoff(p, d, port, "r14", "L14", (15,), "tok-14", [15], skip=0.05)  # vLLM hears L14
     assert _same(pc, dc, (15,), (15,))
 
 
@@ -912,12 +934,13 @@ def test_heartbeats_follow_p_s_lease_when_it_is_shorter_than_d_s_setting(tmp_pat
     """
     port = free_port()
     p_lease, read_s = 1.5, 3.0
+    clock = SkipClock()
     p = HandoffWorker(HandoffConfig.from_extra(
         {"lease_s": p_lease, "log_dir": str(tmp_path), "side_channel_port": port}, env={}),
-        "P-w", Side.P, 0, 1, COMPAT)
+        "P-w", Side.P, 0, 1, COMPAT, clock)
     d = HandoffWorker(HandoffConfig.from_extra(
         {"log_dir": str(tmp_path), "debug_read_delay_param": True}, env={}),
-        "D-w", Side.D, 0, 1, COMPAT)
+        "D-w", Side.D, 0, 1, COMPAT, clock)
     try:
         pc, dc = _caches(True), _caches(False)
         p.register_kv_caches(pc, LAYOUT)
@@ -929,7 +952,7 @@ def test_heartbeats_follow_p_s_lease_when_it_is_shorter_than_d_s_setting(tmp_pat
         d.start_step(StepPlan(admits=[Admit("L20", params, "", 2 * BLOCK)],
                               reads=[Read("L20", [[7, 8]])]))
         sent, recved, failed = _pump(p, d, lambda s, r, f: "r20" in s and "L20" in r,
-                                     timeout=read_s + 10)
+                                     skip=0.05)
         assert failed == set() and _same(pc, dc, (3, 4), (7, 8))
         a = analyse_logs([p.flush(), d.flush()])
         assert a["violations"] == [] and a["lease_expiries"] == 0 and a["p_frees"] == 1

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from typing import Any
 
 import structlog
@@ -94,7 +93,7 @@ class ProducerHalf:
         # Read the clock after the receipt: a release is stamped (and its
         # blocks freed) no earlier than it arrived, or replay would see P
         # free before D's read completed.
-        now = time.monotonic()
+        now = self.clock()
         for peer, msg in notes:
             # one peer's odd message must not cost the others theirs.  The
             # sender is the peer agent (unique per process), not what the
@@ -146,7 +145,7 @@ class ProducerHalf:
         returns ``_report_sending`` to vLLM and only then empties it.
         """
         self._stage("notifications", self._p_handle_notifs)
-        now = max(now, time.monotonic())  # frees follow the releases just stamped
+        now = max(now, self.clock())  # frees follow the releases just stamped
         self._stage("lost_consumers", self._p_drop_lost_consumers)
         self._stage("poll", self._p_poll, now)
 

@@ -26,8 +26,8 @@ NIXL's progress thread runs on P only (transports/nixl/agent.py): D's engine
 step progresses its own READs and collects P's answers in one hop, and a
 small thread of D's (`transports.nixl.progress.ReadProgress`) moves READs in flight
 between engine steps.  All ledger and transport calls go through one lock:
-the engine thread and P's notification thread or D's READ thread share both.  Time is ``time.monotonic()`` here, passed
-into the core.
+the engine thread and P's notification thread or D's READ thread share both.  Time is the
+worker's ``clock`` (``time.monotonic`` in vLLM; a test may skip it ahead), passed into the core.
 
 The event log is written to the OS (``write``, not ``fsync``) at the end of
 every ``start_step`` / ``finish_step`` and every pass of P's notification
@@ -44,6 +44,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +94,8 @@ def _rotate_previous_log(path: str) -> None:
 
 class HandoffWorker(ProducerHalf, ConsumerHalf):
     def __init__(self, cfg: HandoffConfig, engine_id: str, side: Side, rank: int, tp_size: int,
-                 compat: dict[str, Any]) -> None:
+                 compat: dict[str, Any], clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock  # every time the engines are given (both threads); never the I/O's timeouts
         self.cfg, self.engine_id, self.side, self.rank, self.tp_size = cfg, engine_id, side, rank, tp_size
         self.stream = Stream(engine_id, side, rank)
         Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
@@ -316,7 +318,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         if plan is None or plan.empty():
             return
         with self.lock:
-            now = time.monotonic()
+            now = self.clock()
             if self.side is Side.P:
                 self._stage("plan", self._p_plan, plan, now)
             else:
@@ -334,7 +336,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         # freeing never starve.  What vLLM must hear waits on self until it
         # is returned here.
         with self.lock:
-            now = time.monotonic()
+            now = self.clock()
             self._stage("prune", self._prune, now)
             if self.side is Side.P:
                 self._p_step(now)
@@ -347,7 +349,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
                 # stamped no earlier than it arrived (a READ's completion time decides
                 # whether it was safe; an acknowledgement never precedes P's receipt
                 # of the heartbeat it answers).
-                now = max(now, time.monotonic())
+                now = max(now, self.clock())
                 self._stage("drain", self._d_drain, now)
                 self._stage("notifications", self._d_notifs, now)
                 self._stage("engine", self._d_engine, now)
@@ -355,7 +357,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
                     # A fence READ is 8 bytes: on one host UCX often completes it while
                     # posting, so look once more now rather than a whole engine step later.
                     self._stage("poll", self._d_poll)
-                    now = max(now, time.monotonic())
+                    now = max(now, self.clock())
                     self._stage("drain", self._d_drain, now)
                     self._stage("engine", self._d_engine, now)
                 if self._read_progress is not None:
