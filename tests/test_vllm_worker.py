@@ -228,15 +228,16 @@ def test_a_read_held_until_cancelled_is_in_flight_when_the_client_leaves(workers
     assert _same(pc, dc, (7, 8), (20, 21))
 
 
-def test_a_release_without_the_token_frees_nothing(workers):
+@pytest.mark.parametrize("token", ["guess", ""])
+def test_a_release_without_the_token_frees_nothing(workers, token):
     p, d, pc, dc, port = workers
     _export(p, "r3", 1, "tok-3")
-    # A stray engine that knows the request id but not the token.
+    # A stray engine that knows the request id but not the token (a wrong one, or none).
     d.start_step(StepPlan(admits=[Admit("L3", _params("r3", port, (3,), "tok-3"), "", BLOCK)]))
     _pump(p, d, lambda s, r, f: bool(d._peers), timeout=5)
     peer = next(iter(d._peers.values())).agent
     with d.lock:
-        d.transport.send_notif(peer, messages.encode(messages.Release("r3", "intruder", 0, "guess")))
+        d.transport.send_notif(peer, messages.encode(messages.Release("r3", "intruder", 0, token)))
     p_stream = p.state.streams[p.stream]
     wait_for(lambda: p_stream.ignored["bad_token"] >= 1, 5, "P to refuse the stray release")
     s, _, _ = p.finish_step()
