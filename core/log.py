@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Annotated, Literal, Union
 
@@ -381,6 +382,24 @@ def read_logs(paths: Sequence[str | os.PathLike]) -> list[Event]:
     for path in paths:
         events.extend(reader.iter_file(path))
     return events
+
+
+def log_name(stream: Stream) -> str:
+    """The file an engine rank writes its events to, in its ``log_dir``: ``<engine_id>.P0.jsonl``."""
+    return f"{stream.engine}.{stream.side.value}{stream.rank}.jsonl"
+
+
+_CURRENT_LOG = re.compile(r".\.[PD][0-9]+\.jsonl\Z")  # `log_name`'s; not a predecessor's
+
+
+def logs_in(directory: str | os.PathLike) -> list[str]:
+    """The engine logs in ``directory`` (named by `log_name`), sorted.
+
+    A restarted engine's predecessor, moved aside as ``<engine_id>.P0.<unix
+    time>.jsonl``, is left out: its stream has the same name, so it is
+    replayed on its own (name it as a file)."""
+    with os.scandir(directory) as entries:
+        return sorted(e.path for e in entries if _CURRENT_LOG.search(e.name) and e.is_file())
 
 
 def write_log(path: str | os.PathLike, events: Iterable[Event]) -> None:

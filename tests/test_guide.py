@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GUIDE = ROOT / "docs" / "operator-guide.md"
 README = ROOT / "README.md"
 MARKER = "<!-- test: cpu-recipe -->"
+REPLAY_CHECK = '.venv/bin/kvhandoff replay --check "$KVH_DIR/events"'
 pytestmark = pytest.mark.timeout(900)
 
 
@@ -65,8 +66,12 @@ def assert_ports_free(ports: list[int]) -> None:
     busy = []
     for port in ports:
         with socket.socket() as s:
+            # As the servers bind (uvicorn, ZMQ): a connection of an earlier run still in
+            # TIME_WAIT does not stop them, so it must not fail this check either.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind(("127.0.0.1", port))
+                s.listen()
             except OSError:
                 busy.append(port)
     if busy:
@@ -146,10 +151,13 @@ def test_the_cpu_recipe_runs_as_printed(tmp_path):
             return Counter(e.kind for e in read_log(p_log) if e.request_id == rid)["freed"]
         wait_for(freed, 30, f"P to free {rid}")
         assert freed() == 1
-        check = subprocess.run([sys.executable, "-m", "kvhandoff.adapters.cli", "replay",
-                                "--check", str(p_log), str(d_log)],
+        # The check the guide prints after the recipe, as printed: its log_dir as a directory.
+        assert f"`{REPLAY_CHECK}`" in GUIDE.read_text()
+        check = subprocess.run(["bash", "-c", REPLAY_CHECK], cwd=ROOT, env=env,
                                capture_output=True, text=True, timeout=120)
         assert check.returncode == 0, check.stdout + check.stderr
+        for both in (r"prefill-0/P0 +freed ", r"decode-0/D0 +finished_recving "):  # P's and D's
+            assert re.search(both, check.stdout), check.stdout
     finally:
         kill_group(proc.pid)
 

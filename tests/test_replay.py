@@ -33,7 +33,7 @@ from kvhandoff.core.events import (
 )
 from kvhandoff.core.ledger import Ledger
 from kvhandoff.core.lifecycle import DState, LifecycleState, PState, fold
-from kvhandoff.core.log import LogWriter, read_logs
+from kvhandoff.core.log import LogWriter, log_name, logs_in, read_logs
 from kvhandoff.core.replay import printable, state_hash
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -267,6 +267,35 @@ def test_until_folds_each_stream_up_to_a_sequence_number(tmp_path, capsys):
     e.finish_read("req-1", 2.0)
     code, out = _json(capsys, *e.close(), "--until", "1")
     assert code == 0 and out["states"] == {"D:VALIDATED": 1, "P:EXPORTED": 1}
+
+
+def test_a_log_dir_stands_for_each_engine_rank_s_current_log_in_it(tmp_path, capsys):
+    """``kvhandoff replay P_DIR D_DIR``: the connector's ``log_dir`` holds each rank's
+    ``<engine_id>.<P|D><rank>.jsonl``; a restarted engine's predecessor (moved aside as
+    ``<engine_id>.D0.<unix time>.jsonl``, a stream of the same name) and other files are
+    left out, so the directories replay exactly as the current files do."""
+    e = Engines(tmp_path)
+    e.start_read("req-1", 1.0)
+    e.finish_read("req-1", 2.0)
+    p_path, d_path = e.close()
+    p_dir, d_dir = tmp_path / "P", tmp_path / "D"
+    p_dir.mkdir()
+    d_dir.mkdir()
+    (p_dir / log_name(e.P.stream)).write_bytes(open(p_path, "rb").read())
+    (d_dir / log_name(e.D.stream)).write_bytes(open(d_path, "rb").read())
+    (d_dir / "decode-0.D0.1764800000.jsonl").write_bytes(b"not a log of this incarnation\n")
+    (d_dir / "notes.txt").write_text("not a log")
+    assert sorted(logs_in(d_dir)) == [str(d_dir / "decode-0.D0.jsonl")]
+    code, files = _json(capsys, p_path, d_path, "--check")
+    assert code == 0
+    code, dirs = _json(capsys, str(p_dir), str(d_dir), "--check")
+    assert code == 0 and dirs == files and dirs["requests"] == 1
+
+
+def test_a_directory_without_an_engine_log_is_named(tmp_path, capsys):
+    (tmp_path / "decode-0.D0.1764800000.jsonl").write_bytes(b"")
+    assert main(["replay", str(tmp_path), "--check"]) == 2
+    assert f"{tmp_path}: no engine log in this directory" in capsys.readouterr().err
 
 
 def test_corrupt_log_names_file_and_line(tmp_path, capsys):

@@ -1,6 +1,10 @@
 """`kvhandoff replay LOG [LOG ...] [--request ID] [--until SEQ] [--check] [--partial] [--json]
 [--trace FILE] [--svg FILE]`.
 
+A LOG that is a directory stands for the engine logs in it (`core.log.logs_in`:
+each rank's ``<engine_id>.<P|D><rank>.jsonl``, as the connector's ``log_dir``
+holds them; a restarted engine's predecessor is left out).
+
 The text output passes every string that came from a log (request and engine
 ids, reasons, a violation's event and detail, a corrupt log's message) through
 `printable`: clients write some of them, and one event must stay one line with
@@ -17,18 +21,21 @@ the per-request timeline (the summary and ``--check`` are unchanged);
 
 from __future__ import annotations
 
+import os
 import sys
 
 import orjson
 
 from kvhandoff.core.errors import LogCorrupt
-from kvhandoff.core.log import read_logs
+from kvhandoff.core.log import logs_in, read_logs
 from kvhandoff.core.replay import printable, render_timeline, replay
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("replay", help="fold event logs, show timelines, check invariants")
-    p.add_argument("logs", nargs="+", metavar="LOG", help="event logs (P's and D's together)")
+    p.add_argument("logs", nargs="+", metavar="LOG",
+                   help="event logs (P's and D's together), or log_dir directories: each "
+                        "engine rank's current log in them")
     p.add_argument("--request", metavar="ID", help="only this request's timeline")
     p.add_argument("--until", type=int, metavar="SEQ", help="fold each stream up to SEQ")
     p.add_argument("--check", action="store_true",
@@ -42,9 +49,24 @@ def add_parser(sub) -> None:
     p.add_argument("--svg", metavar="FILE", help="write the timeline as an SVG picture")
 
 
+def log_files(paths: list[str]) -> list[str]:
+    """``paths`` with each directory replaced by the engine logs in it (none: `FileNotFoundError`)."""
+    files: list[str] = []
+    for path in paths:
+        if not os.path.isdir(path):
+            files.append(path)
+            continue
+        found = logs_in(path)
+        if not found:
+            raise FileNotFoundError(f"{path}: no engine log in this directory "
+                                    f"(<engine_id>.<P|D><rank>.jsonl)")
+        files.extend(found)
+    return files
+
+
 def run(args) -> int:
     try:
-        events = read_logs(args.logs)
+        events = read_logs(log_files(args.logs))
     except (LogCorrupt, OSError) as e:
         print(f"kvhandoff replay: {printable(e)}", file=sys.stderr)
         return 2

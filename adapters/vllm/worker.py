@@ -65,7 +65,7 @@ from kvhandoff.core.events import Side, Stream
 from kvhandoff.core.fence import LANDING_SLOTS
 from kvhandoff.core.groups import CacheLayout
 from kvhandoff.core.lifecycle import LifecycleState
-from kvhandoff.core.log import LogWriter
+from kvhandoff.core.log import LogWriter, log_name
 from kvhandoff.core.planning import prefill_backoff
 from kvhandoff.core.producer import ProducerEngine
 from kvhandoff.transports.base import FenceReader, RegionMismatch, fence_region
@@ -99,7 +99,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self.cfg, self.engine_id, self.side, self.rank, self.tp_size = cfg, engine_id, side, rank, tp_size
         self.stream = Stream(engine_id, side, rank)
         Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
-        self.log_path = str(Path(cfg.log_dir) / f"{engine_id}.{side.value}{rank}.jsonl")
+        self.log_path = str(Path(cfg.log_dir) / log_name(self.stream))
         _rotate_previous_log(self.log_path)
         self.writer = LogWriter(self.log_path)
         self._log_dropped_seen = 0  # of writer.dropped, counted in the stats
