@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -16,7 +18,12 @@ from hybrid_layouts import gemma_layout, one_group_layout
 from structlog.testing import capture_logs
 
 from kvhandoff.adapters.vllm.cluster import free_port
-from kvhandoff.adapters.vllm.config import ConnectorConfigError, HandoffConfig
+from kvhandoff.adapters.vllm.config import (
+    ConnectorConfigError,
+    HandoffConfig,
+    default_log_dir,
+    make_log_dir,
+)
 from kvhandoff.adapters.vllm.params import (
     DEBUG_HOLD_KEY,
     MalformedTransferParams,
@@ -112,11 +119,48 @@ def test_the_default_log_dir_is_one_per_engine_whichever_process_parses_it(tmp_p
     scheduler = HandoffConfig.from_extra({}, env={}, engine_id="prefill-a")
     worker = HandoffConfig.from_extra({}, env={}, engine_id="prefill-a")
     other = HandoffConfig.from_extra({}, env={}, engine_id="decode-b")
-    assert scheduler.log_dir == worker.log_dir == str(tmp_path / "kvhandoff-events-prefill-a")
-    assert other.log_dir == str(tmp_path / "kvhandoff-events-decode-b")
+    uid = os.geteuid()
+    assert scheduler.log_dir == worker.log_dir == str(tmp_path / f"kvhandoff-events-{uid}-prefill-a")
+    assert other.log_dir == str(tmp_path / f"kvhandoff-events-{uid}-decode-b")
     assert list(tmp_path.iterdir()) == []
     assert HandoffConfig.from_extra({"log_dir": "/var/log/kvh"}, env={},
                                     engine_id="prefill-a").log_dir == "/var/log/kvh"
+
+
+def test_the_default_log_dir_is_private_and_one_made_by_someone_else_is_refused(
+        tmp_path, monkeypatch):
+    """The default sits in a shared temp dir under a predictable name, and the logs hold
+    release tokens: made mode 0700 (as mkdtemp did), and refused when it is not a private
+    directory of this user's (someone made it first, or a link), never written into."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    path = default_log_dir("P-priv")
+    make_log_dir(path, "P-priv")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
+    make_log_dir(path, "P-priv")  # the engine's other processes: the same directory, fine
+    shared = default_log_dir("P-shared")
+    os.mkdir(shared)
+    os.chmod(shared, 0o777)  # another user's trap: anyone may write (or plant links) there
+    with pytest.raises(ConnectorConfigError, match="log_dir.*mode drwxrwxrwx"):
+        make_log_dir(shared, "P-shared")
+    linked = default_log_dir("P-link")
+    os.symlink(path, linked)
+    with pytest.raises(ConnectorConfigError, match="log_dir"):
+        make_log_dir(linked, "P-link")
+    chosen = tmp_path / "var" / "log" / "kvh"  # what the operator set: made as given
+    make_log_dir(str(chosen), "P-priv")
+    assert chosen.is_dir()
+
+
+def test_a_restart_within_the_same_second_keeps_every_predecessor_s_log(tmp_path):
+    from kvhandoff.adapters.vllm.worker import _rotate_previous_log
+
+    log = tmp_path / "E.P0.jsonl"
+    for life in ("first", "second", "third"):
+        log.write_text(life)
+        _rotate_previous_log(str(log))
+    assert not log.exists()
+    kept = sorted(p.read_text() for p in tmp_path.iterdir())
+    assert kept == ["first", "second", "third"]
 
 
 @pytest.mark.parametrize("extra, policy, key", [
@@ -886,3 +930,16 @@ def test_the_older_get_finished_never_reports_a_failed_read_as_received():
         assert connector.get_finished(set()) == ({"p1"}, {"d1"})
     (entry,) = [e for e in logs if e["log_level"] == "error"]
     assert entry["event"] == "vllm.connector.failed_reads_withheld" and entry["request_ids"] == ["d2"]
+
+
+@pytest.mark.parametrize("engine_id", ["../../home/x", "a/b", "..", "e\x00"])
+def test_an_engine_id_that_is_not_one_path_component_is_refused_at_start_up(engine_id):
+    """The engine id names the event log's file and the default log_dir."""
+    from kvhandoff.adapters.vllm.config import UnsupportedTopology
+    from kvhandoff.adapters.vllm.connector import _check_topology
+
+    cfg = SimpleNamespace(
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1),
+        kv_transfer_config=SimpleNamespace(kv_role="kv_producer", engine_id=engine_id))
+    with pytest.raises(UnsupportedTopology, match=re.escape(f"engine_id={engine_id!r}")):
+        _check_topology(cfg, None)

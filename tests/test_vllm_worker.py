@@ -185,7 +185,7 @@ def test_d_stamps_an_acknowledgement_no_earlier_than_it_collected_it(workers, mo
 
     def recv_notifs():
         notes = recv()
-        at = time.monotonic()
+        at = d.clock()  # the workers' clock: what D's events are stamped with
         for note in notes:
             msg = messages.decode(note.message)
             if isinstance(msg, messages.HeartbeatAck):
@@ -217,7 +217,7 @@ def test_a_read_held_until_cancelled_is_in_flight_when_the_client_leaves(workers
                           reads=[Read("L2h", [[20, 21]])]))
     inc = d._incoming["L2h"]
     # The READ landed long ago (held), and three times the delay has passed since its post:
-    _, recved, _ = _pump(p, d, lambda s, r, f: inc.held and time.monotonic() > inc.posted_at + 0.9)
+    _, recved, _ = _pump(p, d, lambda s, r, f: inc.held and d.clock() > inc.posted_at + 0.9)
     assert _d_state(d, "r2h") is DState.READING and "L2h" not in recved
     d.start_step(StepPlan(cancels=["L2h"]))
     _pump(p, d, lambda s, r, f: "r2h" in s and "L2h" in r)
@@ -349,7 +349,7 @@ def test_an_event_the_fold_refuses_is_logged_once_not_raised(workers):
     p, d, pc, dc, port = workers
     _done_handoff(p, d, port, "r7", "L7", (6,), "tok-7", [5])
     with capture_logs() as logs:
-        assert d._record(Admitted, "r7", time.monotonic(), remote_engine="P-w", remote_ranks=(0,),
+        assert d._record(Admitted, "r7", d.clock(), remote_engine="P-w", remote_ranks=(0,),
                          num_blocks=1, lease_s=LEASE, lease_margin_s=0.2,
                          local_request_id="L7b") is False
     (entry,) = logs
@@ -649,7 +649,7 @@ def test_addresses_from_requests_cost_d_a_bounded_number_of_threads_and_entries(
     monkeypatch.setattr(consumer_mod, "handshake", handshake)
     monkeypatch.setattr(consumer_mod, "MAX_HANDSHAKES", 4)
     monkeypatch.setattr(consumer_mod, "MAX_REFUSED", 3)
-    now = time.monotonic()
+    now = d.clock()
 
     def remote(i: int) -> RemotePrefill:
         return RemotePrefill("P-x", f"x{i}", f"127.0.0.{i + 2}", 40000, 1, ((1,),), BLOCK, LEASE)
@@ -793,7 +793,7 @@ def test_a_deferred_heartbeat_that_raises_costs_only_itself(workers, monkeypatch
         return real(peer, msg, now, since, step)
     monkeypatch.setattr(p.producer, "_heartbeat", answer)
     with p.lock:  # two heartbeats that came before P folded the exports
-        t = time.monotonic()
+        t = p.clock()
         for rid in ("a", "b"):
             p.producer._defer("no-peer", messages.Heartbeat("D-x", 0, t, (rid,), ()), t, (rid,))
     with capture_logs() as logs:
@@ -916,7 +916,7 @@ def test_d_stamps_a_completion_no_earlier_than_it_received_it(workers):
     def poll():
         out = real_poll()
         if out:
-            received.append(time.monotonic())  # the moment the completion is in D's hands
+            received.append(d.clock())  # the moment the completion is in D's hands
         return out
 
     d.transport.poll = poll
@@ -953,7 +953,7 @@ def test_heartbeats_follow_p_s_lease_when_it_is_shorter_than_d_s_setting(tmp_pat
         d.start_step(StepPlan(admits=[Admit("L20", params, "", 2 * BLOCK)],
                               reads=[Read("L20", [[7, 8]])]))
         sent, recved, failed = _pump(p, d, lambda s, r, f: "r20" in s and "L20" in r,
-                                     skip=0.05)
+                                     skip=0.02)  # P's 1.5 s lease: 75 rounds
         assert failed == set() and _same(pc, dc, (3, 4), (7, 8))
         a = analyse_logs([p.flush(), d.flush()])
         assert a["violations"] == [] and a["lease_expiries"] == 0 and a["p_frees"] == 1

@@ -11,7 +11,7 @@ with `ConnectorConfigError`, never discovered mid-request.
 | lease_margin_s         | min(1.0, lease_s/10)| D's safety margin on P's reported time left          |
 | read_timeout_s         | 30.0                | a READ still in flight after this is failed (sooner: one lease without word from P) |
 | failure_policy         | vLLM's kv_load_failure_policy | fail | recompute (must agree with vLLM's) |
-| log_dir                | $TMPDIR/kvhandoff-events-<engine_id> | where each engine writes its event log (created by its first worker) |
+| log_dir                | $TMPDIR/kvhandoff-events-<uid>-<engine_id> (mode 0700) | where each engine writes its event log (created by its first worker) |
 | side_channel_host      | $VLLM_NIXL_SIDE_CHANNEL_HOST or 127.0.0.1 | P's metadata listener (advertised to D) |
 | side_channel_port      | $VLLM_NIXL_SIDE_CHANNEL_PORT or 5600 | P's listener port (+ TP rank)      |
 | handshake_timeout_s    | 5.0                 | D gives up on an unreachable P after this            |
@@ -32,6 +32,7 @@ with `ConnectorConfigError` naming the variable.
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from dataclasses import dataclass, fields
 from typing import Any
@@ -171,9 +172,34 @@ class HandoffConfig:
 
 
 def default_log_dir(engine_id: str) -> str:
-    """``$TMPDIR/kvhandoff-events-<engine_id>``: one directory per engine, the same
-    in each of its processes (the scheduler prints it; the workers write there)."""
-    return os.path.join(tempfile.gettempdir(), f"kvhandoff-events-{engine_id or 'engine'}")
+    """``$TMPDIR/kvhandoff-events-<uid>-<engine_id>``: one directory per engine and user, the
+    same in each of the engine's processes (the scheduler prints it; the workers write there)."""
+    return os.path.join(tempfile.gettempdir(),
+                        f"kvhandoff-events-{os.geteuid()}-{engine_id or 'engine'}")
+
+
+def make_log_dir(path: str, engine_id: str) -> None:
+    """Create ``path``, the engine's ``log_dir``, if it is not there.
+
+    The default sits in a shared temporary directory under a name others can
+    predict, and the logs hold the release tokens: it is made as ``mkdtemp``
+    makes one (mode 0700), and one that is not a directory of this user's that
+    only it can use (another user made it first, or a link) is refused with
+    `ConnectorConfigError` rather than written into.  A ``log_dir`` the
+    operator set is created as given (parents too) and used as it is."""
+    if path != default_log_dir(engine_id):
+        os.makedirs(path, exist_ok=True)
+        return
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise ConnectorConfigError(
+            "log_dir", f"a directory of uid {os.geteuid()} with mode 0700 at the default "
+            f"path, or log_dir set to one (the default was made by someone else, or is not "
+            f"a private directory: uid {st.st_uid}, mode {stat.filemode(st.st_mode)})", path)
 
 
 def _trusted_producers_from_env(raw: str) -> tuple[str, ...]:

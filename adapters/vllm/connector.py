@@ -136,6 +136,9 @@ def _check_topology(vllm_config: VllmConfig, kv_cache_config: Any) -> CacheLayou
         problems.append(f"kv_role={kvt.kv_role!r} (kv_producer on P, kv_consumer on D)")
     if not kvt.engine_id:
         problems.append("kv_transfer_config.engine_id is empty")
+    elif "/" in kvt.engine_id or "\0" in kvt.engine_id or kvt.engine_id in (".", ".."):
+        # It names the event log's file (and the default log_dir): one path component.
+        problems.append(f"kv_transfer_config.engine_id={kvt.engine_id!r} (no '/', NUL, '.' or '..')")
     layout = None
     if kv_cache_config is None:
         problems.append("no kv_cache_config (vLLM >= 0.32 passes one to connectors)")

@@ -51,7 +51,7 @@ from typing import Any
 import structlog
 
 from kvhandoff.adapters.vllm import stats as kstats
-from kvhandoff.adapters.vllm.config import HandoffConfig, UnsupportedTopology
+from kvhandoff.adapters.vllm.config import HandoffConfig, UnsupportedTopology, make_log_dir
 from kvhandoff.adapters.vllm.consumer import ConsumerHalf, IncomingHandoff, ProducerLink
 from kvhandoff.adapters.vllm.metadata import StepPlan
 from kvhandoff.adapters.vllm.producer import ProducerHalf
@@ -87,7 +87,11 @@ def _rotate_previous_log(path: str) -> None:
     """
     p = Path(path)
     if p.exists() and p.stat().st_size > 0:
-        moved = p.with_name(f"{p.stem}.{int(time.time())}.jsonl")
+        stamp, n = int(time.time()), 0
+        moved = p.with_name(f"{p.stem}.{stamp}.jsonl")
+        while moved.exists():  # restarted twice within a second: keep both predecessors
+            n += 1
+            moved = p.with_name(f"{p.stem}.{stamp}-{n}.jsonl")
         p.rename(moved)
         log.warning("vllm.worker.previous_log_moved", path=path, moved_to=str(moved))
 
@@ -98,7 +102,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self.clock = clock  # every time the engines are given (both threads); never the I/O's timeouts
         self.cfg, self.engine_id, self.side, self.rank, self.tp_size = cfg, engine_id, side, rank, tp_size
         self.stream = Stream(engine_id, side, rank)
-        Path(cfg.log_dir).mkdir(parents=True, exist_ok=True)
+        make_log_dir(cfg.log_dir, engine_id)
         self.log_path = str(Path(cfg.log_dir) / log_name(self.stream))
         _rotate_previous_log(self.log_path)
         self.writer = LogWriter(self.log_path)
