@@ -282,6 +282,32 @@ def test_a_read_whose_notification_cannot_be_sent_fails_and_the_peer_is_lost(fak
     assert d.lost_peers() == ["P"]
 
 
+def test_a_notification_that_fails_once_costs_only_itself_not_the_peer(fake):
+    """A live peer is not given up for one error that may pass: its heartbeats could no
+    longer be answered until it handshook again.  Three failures in a row, or a remote
+    disconnect, lose it; a notification sent in between starts the count again."""
+    d, agent = fake
+    for _ in range(2):
+        agent.send_error = nixlBackendError("NIXL_ERR_BACKEND")
+        d.send_notif("P", b"hb")
+        d.send_notif("P", b"hb")
+        agent.send_error = None
+        d.send_notif("P", b"hb")
+        assert d.lost_peers() == []
+    assert agent.sent.count(("P", b"hb")) == 2
+    agent.send_error = nixlBackendError("NIXL_ERR_BACKEND")
+    for _ in range(3):
+        d.send_notif("P", b"hb")
+    assert d.lost_peers() == ["P"]
+
+
+def test_one_remote_disconnect_loses_the_peer_at_once(fake):
+    d, agent = fake
+    agent.send_error = nixlRemoteDisconnectError("gone")
+    d.send_notif("P", b"hb")
+    assert d.lost_peers() == ["P"]
+
+
 def test_impossible_reads_are_refused_before_anything_is_posted(fake):
     d, agent = fake
     with pytest.raises(InvalidRead):

@@ -1039,6 +1039,31 @@ def test_the_fence_proves_a_read_when_every_answer_from_p_is_lost(workers, monke
     assert analyse_logs([p.flush(), d.flush()])["replay_violations"] == 0
 
 
+def test_one_acknowledgement_p_fails_to_send_does_not_cut_d_off(workers, monkeypatch):
+    """A transient error sending one answer costs that answer: P keeps D as a peer, so D's
+    next heartbeats are answered and a READ held past the lease is still proven and served
+    (P used to drop D after one failed send and answer nothing until D handshook again)."""
+    p, d, pc, dc, port = workers
+    _done_handoff(p, d, port, "t1", "LT1", (4, 5), "tok-t1", [1, 2])
+    send, failed_once = p.transport._agent.send_notif, []
+
+    def flaky(peer, message):
+        if not failed_once:
+            failed_once.append(peer)
+            raise RuntimeError("NIXL_ERR_BACKEND (transient)")
+        return send(peer, message)
+
+    monkeypatch.setattr(p.transport._agent, "send_notif", flaky)
+    _export(p, "t2", 2, "tok-t2")
+    params = _params("t2", port, (7, 8), "tok-t2", debug_read_delay_s=LEASE * 1.5)
+    d.start_step(StepPlan(admits=[Admit("LT2", params, "", 2 * BLOCK)],
+                          reads=[Read("LT2", [[20, 21]])]))
+    sent, recved, failed = _pump(p, d, lambda s, r, f: "t2" in s and "LT2" in r, skip=0.05)
+    assert failed_once and failed == set() and p.transport.lost_peers() == []
+    assert _same(pc, dc, (7, 8), (20, 21))
+    assert "lease_acknowledged" in _kinds(d, "t2")  # P's later answers reached D
+
+
 def test_a_p_without_fence_slots_is_asked_at_admission_as_before(tmp_path):
     port = free_port()
     extra = {"lease_s": LEASE, "heartbeat_interval_s": 0.3, "lease_margin_s": 0.2,

@@ -108,6 +108,7 @@ from .reads import (
 log = structlog.get_logger(__name__)
 
 PROBE = b"\x00kvh.probe"  # internal liveness probe; never handed to the receiver's caller
+LOST_AFTER_FAILED_SENDS = 3  # failed notifications in a row that make a peer lost
 
 
 @dataclass(slots=True)
@@ -128,6 +129,7 @@ class _Peer:
     lost: bool = False
     removing: bool = False
     probed_at: float = 0.0
+    send_failures: int = 0  # notifications (probes too) failed in a row since the last one sent
     ipc_offer: list | None = None  # its exported VRAM allocations (same node, vram_ipc on)
     ipc: PeerMemory | None = None  # ...mapped here, on the first VRAM READ that needs them
     ipc_tried: bool = False
@@ -410,10 +412,22 @@ class NixlTransport:
         p = self._peer(peer)
         if p.lost:
             return
+        self._notify(p, message, "notification")
+
+    def _notify(self, p: _Peer, message: bytes, what: str) -> None:
+        """Send one notification (or probe); the peer is lost after a remote disconnect or
+        `LOST_AFTER_FAILED_SENDS` failures in a row, not after one error that may pass: a P
+        that dropped a live D could not answer its heartbeats until D handshook again."""
         try:
-            self._agent.send_notif(peer, message)
+            self._agent.send_notif(p.name, message)
         except Exception as exc:
-            self._failure(p, "notification", exc, lost=True)
+            p.send_failures += 1
+            reason = self._failure(p, what, exc, lost=p.send_failures >= LOST_AFTER_FAILED_SENDS)
+            if not p.lost:
+                log.warning("nixl.notification_failed", agent=self.name, peer=p.name,
+                            reason=reason, in_a_row=p.send_failures)
+        else:
+            p.send_failures = 0
 
     def recv_notifs(self) -> list[Notification]:
         self._open()
@@ -435,10 +449,7 @@ class NixlTransport:
         for p in self._peers.values():
             if not p.lost and now - p.probed_at >= self.probe_interval_s:
                 p.probed_at = now
-                try:
-                    self._agent.send_notif(p.name, PROBE)
-                except Exception as exc:
-                    self._failure(p, "liveness probe", exc, lost=True)
+                self._notify(p, PROBE, "liveness probe")
         return sorted(p.name for p in self._peers.values() if p.lost)
 
     # -- lifecycle -------------------------------------------------------------
