@@ -26,12 +26,14 @@ PARAMS = {"remote_request_id": "p-1", "remote_block_ids": [[1, 2]]}
 class Upstream:
     """An HTTP server on loopback; ``mode``: "prefill" answers with P's params,
     "echo" returns the body it got, "hang_up" closes without an answer, "not_json"
-    and "json_list" answer 200 with a body that is no JSON object, "slow_headers"
+    and "json_list" answer 200 with a body that is no JSON object, "nan_params" P's params
+    with a NaN in them, "slow_echo" echoes after 1 s, "slow_headers"
     answers nothing until the router closes the connection (``closed`` is set then),
     "stream" streams events until the router closes the connection (``closed`` again)."""
 
     def __init__(self, mode: str) -> None:
         self.bodies: list[dict] = []
+        self.headers: list[dict[str, str]] = []  # each request's, names in lower case
         self.closed = threading.Event()
         upstream = self
 
@@ -39,6 +41,9 @@ class Upstream:
             def do_POST(self) -> None:  # noqa: N802 (http.server's name)
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 upstream.bodies.append(body)
+                upstream.headers.append({k.lower(): v for k, v in self.headers.items()})
+                if mode == "slow_echo":
+                    upstream.closed.wait(1.0)  # never set here: a 1 s wait for the router
                 if mode == "hang_up":
                     self.close_connection = True
                     return
@@ -69,7 +74,9 @@ class Upstream:
                     return
                 answer = ({"kv_transfer_params": PARAMS} if mode == "prefill" else
                           [PARAMS] if mode == "json_list" else body)
-                data = b"<html>busy</html>" if mode == "not_json" else json.dumps(answer).encode()
+                data = (b"<html>busy</html>" if mode == "not_json" else
+                        b'{"kv_transfer_params": {"remote_block_ids": NaN}}'
+                        if mode == "nan_params" else json.dumps(answer).encode())
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -109,15 +116,16 @@ def closed_port_url() -> str:
 
 
 def complete(prefill_url: str, decode_url: str, body: object,
-             path: str = "/v1/completions") -> httpx.Response:
+             path: str = "/v1/completions", headers: dict[str, str] | None = None,
+             read_timeout_s: float = 10) -> httpx.Response:
     async def go() -> httpx.Response:
-        app = build_app(prefill_url, decode_url, timeout_s=10)
+        app = build_app(prefill_url, decode_url, read_timeout_s=read_timeout_s)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://router") as client:
             if isinstance(body, bytes):
-                return await client.post(path, content=body,
-                                         headers={"content-type": "application/json"})
-            return await client.post(path, json=body)
+                return await client.post(path, content=body, headers={
+                    "content-type": "application/json", **(headers or {})})
+            return await client.post(path, json=body, headers=headers)
 
     return asyncio.run(go())
 
@@ -130,6 +138,46 @@ def test_d_gets_the_original_request_with_the_params_p_answered(upstreams):
     assert p.bodies[0]["kv_transfer_params"] == {"do_remote_decode": True}
     assert r.json() == {"model": "m", "prompt": "hi", "max_tokens": 7, "stream": False,
                         "kv_transfer_params": PARAMS}
+
+
+def test_p_gets_no_min_tokens_and_d_gets_the_request_as_sent(upstreams):
+    """vLLM refuses min_tokens above max_tokens: P's max_tokens is 1, so P must not get
+    the client's min_tokens (a plain request with min_tokens 10 was a 400 from P)."""
+    p, d = upstreams("prefill"), upstreams("echo")
+    body = {"model": "m", "prompt": "hi", "max_tokens": 50, "min_tokens": 10, "stream": False}
+    r = complete(p.url, d.url, body)
+    assert r.status_code == 200
+    assert "min_tokens" not in p.bodies[0] and p.bodies[0]["max_tokens"] == 1
+    assert d.bodies[0] == body | {"kv_transfer_params": PARAMS}
+
+
+def test_the_api_key_and_the_request_id_reach_p_and_d_and_no_other_header(upstreams):
+    """Behind ``vllm serve --api-key`` every request was a 401 from P: no header was
+    passed on.  The request id names the request in both engines' logs."""
+    p, d = upstreams("prefill"), upstreams("echo")
+    sent = {"Authorization": "Bearer k-1", "X-Request-Id": "client-7", "X-Other": "no"}
+    r = complete(p.url, d.url, {"model": "m", "prompt": "hi"}, headers=sent)
+    assert r.status_code == 200
+    for upstream in (p, d):
+        (got,) = upstream.headers
+        assert got["authorization"] == "Bearer k-1" and got["x-request-id"] == "client-7"
+        assert "x-other" not in got
+
+
+def test_p_params_with_a_nan_are_a_502_naming_p_not_the_client_s_400(upstreams):
+    p, d = upstreams("nan_params"), upstreams("echo")
+    r = complete(p.url, d.url, {"model": "m", "prompt": "hi"})
+    assert r.status_code == 502 and r.json()["error"]["upstream"] == "prefill"
+    assert "NaN" in r.json()["error"]["reason"] and d.bodies == []
+
+
+def test_a_read_timeout_when_set_is_a_502_naming_the_silent_upstream(upstreams):
+    """Off by default (a long generation sends nothing until it ends); when an operator
+    sets one, a silent D is a 502 naming D."""
+    p, d = upstreams("prefill"), upstreams("slow_echo")
+    r = complete(p.url, d.url, {"model": "m", "prompt": "hi"}, read_timeout_s=0.2)
+    assert r.status_code == 502 and r.json()["error"]["upstream"] == "decode"
+    assert r.json()["error"]["reason"].startswith("ReadTimeout")
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -154,6 +202,8 @@ NOT_ONE_HAND_OFF = {
                           "batch of 2 prompts"),
     "two_embeds": ("/v1/completions", {"prompt_embeds": ["AAAA", "AAAA"]}, "prompt_embeds",
                    "batch of 2"),
+    "prompt_and_embeds": ("/v1/completions", {"prompt_embeds": "AAAA"}, "prompt_embeds",
+                          "together are two prompts"),
     "n_completions": ("/v1/completions", {"n": 2}, "n", "`n` must be 1"),
     "n_chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3},
                "n", "`n` must be 1"),
@@ -232,7 +282,7 @@ def test_a_client_gone_before_d_starts_its_stream_closes_the_connection_to_d(ups
     """The client leaves while D has the request but has not answered its headers: the router
     closes D's connection (vLLM's API server aborts the request on that), answering 499."""
     p, d = upstreams("prefill"), upstreams("slow_headers")
-    app = build_app(p.url, d.url, timeout_s=60)
+    app = build_app(p.url, d.url, read_timeout_s=60)
     body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 7, "stream": True}).encode()
     given: list[bool] = []
     sent: list[dict] = []
@@ -266,7 +316,7 @@ def test_a_client_gone_mid_stream_closes_the_connection_to_d(upstreams):
     import uvicorn
 
     p, d = upstreams("prefill"), upstreams("stream")
-    server = uvicorn.Server(uvicorn.Config(build_app(p.url, d.url, timeout_s=60),
+    server = uvicorn.Server(uvicorn.Config(build_app(p.url, d.url, read_timeout_s=60),
                                            host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -227,6 +227,30 @@ def test_side_channel_handshake_swaps_metadata_and_refuses_mismatches():
         handshake("127.0.0.1", free_port(), "D-1", 0, COMPAT, b"x", 0.3)
 
 
+def test_a_frame_over_the_limit_is_never_taken_and_p_goes_on_answering(monkeypatch):
+    """ZMQ buffers a whole frame before P sees it: one past `MAX_FRAME_BYTES` drops its
+    sender's connection (it never reaches P's hello handler) and the next D is served.
+    D takes no such frame from P either."""
+    from kvhandoff.adapters.vllm import side_channel
+
+    limit = 1 << 16
+    monkeypatch.setattr(side_channel, "MAX_FRAME_BYTES", limit)  # read when a socket is made
+    port, seen, reply = free_port(), [], [b"P-META"]
+    server = SideChannelServer("127.0.0.1", port, "P-1", 0, COMPAT,
+                               lambda hello, md: (seen.append(len(md)), reply[0])[1])
+    try:
+        with pytest.raises(HandshakeFailed, match="no answer"):
+            handshake("127.0.0.1", port, "D-big", 0, COMPAT, b"x" * (limit + 1), 1.0)
+        hello, md = handshake("127.0.0.1", port, "D-1", 0, COMPAT, b"D-META", 5.0)
+        assert md == b"P-META" and seen == [6]
+        reply[0] = b"y" * (limit + 1)
+        with pytest.raises(HandshakeFailed, match="no answer"):
+            handshake("127.0.0.1", port, "D-2", 0, COMPAT, b"D-META", 1.0)
+        assert seen == [6, 6]
+    finally:
+        server.close()
+
+
 # ---- the scheduler half, with stand-ins for vLLM's request objects ----------
 
 pytest.importorskip("vllm")

@@ -38,7 +38,12 @@ Two details a router of your own needs too:
   ``n`` must be absent, ``null`` or the number 1: vLLM reads ``"2"`` as 2.
   (``best_of`` is no field of vLLM 0.32's completion requests: it is ignored.)
 * The client's disconnect is passed on at every stage, waiting for D's
-  stream to start included.
+  stream to start included.  No read timeout by default: a long generation
+  sends nothing until it ends (``--read-timeout-s`` sets one).
+* P gets the request without ``min_tokens`` (vLLM refuses one above P's
+  ``max_tokens: 1``) and ``stream_options``; P and D get the client's
+  ``Authorization`` and ``X-Request-Id`` headers, no others.
+* ``prompt`` and ``prompt_embeds`` together are two prompts: ``400`` too.
 """
 
 from __future__ import annotations
@@ -56,6 +61,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 KEEPALIVE_S = 2.0  # < vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s): the router lets go first
 
+# Sent to P on top of the client's request; ``min_tokens`` goes (vLLM refuses one above
+# max_tokens, and the toy proxy drops it too), as does ``stream_options``.
+NOT_FOR_P = ("stream_options", "min_tokens")
+# The client's headers passed on to P and D: an API key (``vllm serve --api-key``) and the
+# request id vLLM names the request by.  No others: hop-by-hop headers and the body's length
+# belong to each connection.
+PASSED_HEADERS = ("authorization", "x-request-id")
 PREFILL_ONLY = {"max_tokens": 1, "max_completion_tokens": 1, "stream": False,
                 "kv_transfer_params": {"do_remote_decode": True}}
 
@@ -89,6 +101,10 @@ def one_hand_off_problem(body: Any) -> tuple[str, str] | None:
         return "prompt_embeds", (f"`prompt_embeds` must be a single prompt, found a batch of "
                                  f"{len(embeds)}: one request hands off one KV cache (send one "
                                  f"request per prompt)")
+    if embeds is not None and prompt is not None:
+        return "prompt_embeds", ("`prompt` and `prompt_embeds` together are two prompts (vLLM "
+                                 "runs both): one request hands off one KV cache (send one "
+                                 "request per prompt)")
     n = body.get("n")
     if n is not None and not (type(n) in (int, float) and n == 1):
         return "n", (f"`n` must be 1, found {n!r}: one request hands off one KV cache, and D "
@@ -119,15 +135,18 @@ def _encoded(body: dict) -> bytes:
 
 def _params_of(p: httpx.Response) -> Any:
     """P's ``kv_transfer_params`` from its ``200``; ValueError if the body is no JSON object."""
-    answer = json.loads(p.content)
+    answer = json.loads(p.content, parse_constant=_no_constant)
     if not isinstance(answer, dict):
         raise ValueError(f"P's answer must be a JSON object, found {type(answer).__name__}")
     return answer.get("kv_transfer_params")
 
 
-def build_app(prefill_url: str, decode_url: str, timeout_s: float = 300.0,
-              keepalive_s: float = KEEPALIVE_S) -> FastAPI:
-    client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(keepalive_expiry=keepalive_s))
+def build_app(prefill_url: str, decode_url: str, read_timeout_s: float | None = None,
+              keepalive_s: float = KEEPALIVE_S, connect_timeout_s: float = 10.0) -> FastAPI:
+    """``read_timeout_s``: None (the default) waits as long as the client does: a long
+    generation sends nothing until it ends, and a client that leaves is passed on anyway."""
+    client = httpx.AsyncClient(timeout=httpx.Timeout(read_timeout_s, connect=connect_timeout_s),
+                               limits=httpx.Limits(keepalive_expiry=keepalive_s))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -145,9 +164,11 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 300.0,
             content = _encoded(body)
         except (ValueError, RecursionError) as exc:
             return _bad_request("", f"the request cannot be passed on as JSON ({exc})")
+        headers = {"content-type": "application/json"} | {
+            h: request.headers[h] for h in PASSED_HEADERS if h in request.headers}
         call = asyncio.ensure_future(client.send(
-            client.build_request("POST", f"{base}{path}", content=content,
-                                 headers={"content-type": "application/json"}), stream=stream))
+            client.build_request("POST", f"{base}{path}", content=content, headers=headers),
+            stream=stream))
         try:
             return await _until_disconnected(request, call)
         except asyncio.CancelledError:
@@ -170,7 +191,7 @@ def build_app(prefill_url: str, decode_url: str, timeout_s: float = 300.0,
         problem = one_hand_off_problem(body)
         if problem is not None:
             return _bad_request(*problem)
-        p_body = {k: v for k, v in body.items() if k != "stream_options"} | PREFILL_ONLY
+        p_body = {k: v for k, v in body.items() if k not in NOT_FOR_P} | PREFILL_ONLY
         p = await post("prefill", prefill_url, path, p_body, request)
         if isinstance(p, Response) or p.status_code != 200:
             return passed_on(p)
@@ -218,9 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", required=True, help="D's base URL, e.g. http://127.0.0.1:8200")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--read-timeout-s", type=float, default=None,
+                        help="give up on a P or D silent this long (default: wait as long as "
+                             "the client does)")
     args = parser.parse_args(argv)
-    uvicorn.run(build_app(args.prefill.rstrip("/"), args.decode.rstrip("/")), host=args.host,
-                port=args.port, log_level="warning")
+    uvicorn.run(build_app(args.prefill.rstrip("/"), args.decode.rstrip("/"), args.read_timeout_s),
+                host=args.host, port=args.port, log_level="warning")
     return 0
 
 

@@ -4,7 +4,7 @@ One ZMQ round trip per (D rank, P rank) pair.  D sends a hello and its own
 agent metadata; P checks compatibility, adds D as a peer (so it can answer
 heartbeats) and replies with its hello and metadata; D checks again.  Frames
 are a JSON header (orjson) and the raw NIXL metadata bytes: nothing on this
-wire is ever unpickled.
+wire is ever unpickled, and no frame over `MAX_FRAME_BYTES` is taken.
 
 A mismatch in anything that decides the byte layout of a block (model,
 dtype, block size, KV heads, head size, layers, TP size, and the cache
@@ -29,6 +29,12 @@ from kvhandoff.core.groups import CacheLayout, GroupMismatch, MalformedGroups
 log = structlog.get_logger(__name__)
 
 WIRE = "kvhandoff-side/1"
+# The largest frame either side takes: NIXL agent metadata is kilobytes to a few MiB.  ZMQ
+# buffers a whole frame before we see it, so without a bound anyone who reaches P's port
+# could make P's process hold gigabytes (ZMQ drops the connection of a peer that sends more).
+MAX_FRAME_BYTES = 64 << 20
+RCVHWM = 16  # hellos queued per connection, not ZMQ's 1,000
+
 COMPAT_FIELDS = ("model", "dtype", "cache_dtype", "block_size", "num_kv_heads", "head_size",
                  "num_layers", "tp_size")
 
@@ -91,6 +97,8 @@ class SideChannelServer:
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVTIMEO, 200)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._sock.setsockopt(zmq.RCVHWM, RCVHWM)
         bind_host = "*" if host in ("0.0.0.0", "") else host
         self._sock.bind(f"tcp://{bind_host}:{port}")
         self.address = f"{host}:{port}"
@@ -147,6 +155,7 @@ def handshake(host: str, port: int, engine_id: str, rank: int, compat: dict[str,
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     try:
         sock.connect(f"tcp://{host}:{port}")
         sock.send_multipart([b"", _hello(engine_id, rank, compat), metadata])
