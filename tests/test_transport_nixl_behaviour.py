@@ -12,6 +12,7 @@ Two kinds of test:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from typing import Any
@@ -32,6 +33,7 @@ from kvhandoff.transports.base import (  # noqa: E402
     ReadRequest,
     RegionMismatch,
     Transport,
+    TransportError,
     UnknownPeer,
 )
 from kvhandoff.transports.nixl import (  # noqa: E402
@@ -71,6 +73,7 @@ class FakeAgent:
         self.fail_transfer: list[Exception | str] = []  # consumed one per transfer()
         self.sent: list[tuple[str, bytes]] = []
         self.send_error: Exception | None = None
+        self.incoming: list[dict[str, list[bytes]] | Exception] = []
 
     # registration, metadata, descriptor lists
     def register_memory(self, rows, kind):
@@ -131,8 +134,13 @@ class FakeAgent:
             raise self.send_error
         self.sent.append((peer, message))
 
-    def get_new_notifs(self):
-        return {}
+    def get_new_notifs(self):  # ``incoming``: what each call returns (or raises), then {}
+        if not self.incoming:
+            return {}
+        got = self.incoming.pop(0)
+        if isinstance(got, Exception):
+            raise got
+        return got
 
 
 LAYERS = ("layer0", "layer1")
@@ -282,30 +290,45 @@ def test_a_read_whose_notification_cannot_be_sent_fails_and_the_peer_is_lost(fak
     assert d.lost_peers() == ["P"]
 
 
-def test_a_notification_that_fails_once_costs_only_itself_not_the_peer(fake):
-    """A live peer is not given up for one error that may pass: its heartbeats could no
-    longer be answered until it handshook again.  Three failures in a row, or a remote
-    disconnect, lose it; a notification sent in between starts the count again."""
+def test_a_send_that_fails_raises_and_only_a_disconnect_loses_the_peer(fake):
+    """A failed send is the caller's to retry (D does not log a heartbeat it never sent);
+    errors that may pass, any number of them, probes included, never give a live peer up:
+    a P that dropped its D answered none of D's heartbeats, and a D that dropped its P
+    stopped heartbeating it while its READ was in flight, so P freed under the READ."""
     d, agent = fake
-    for _ in range(2):
-        agent.send_error = nixlBackendError("NIXL_ERR_BACKEND")
-        d.send_notif("P", b"hb")
-        d.send_notif("P", b"hb")
-        agent.send_error = None
-        d.send_notif("P", b"hb")
-        assert d.lost_peers() == []
-    assert agent.sent.count(("P", b"hb")) == 2
     agent.send_error = nixlBackendError("NIXL_ERR_BACKEND")
-    for _ in range(3):
+    for _ in range(5):
+        with pytest.raises(TransportError, match="notification to 'P' failed.*nixlBackendError"):
+            d.send_notif("P", b"hb")
+        d.probe_interval_s = 0.0
+        assert d.lost_peers() == []
+    agent.send_error = None
+    d.send_notif("P", b"hb")
+    assert agent.sent == [("P", b"hb")]
+    agent.send_error = nixlRemoteDisconnectError("gone")
+    with pytest.raises(TransportError, match="remote disconnect"):
         d.send_notif("P", b"hb")
     assert d.lost_peers() == ["P"]
+    d.send_notif("P", b"hb")  # to a lost peer: nowhere, as into a dead one (no error)
 
 
-def test_one_remote_disconnect_loses_the_peer_at_once(fake):
+def test_a_probe_that_meets_a_disconnect_loses_the_peer(fake):
     d, agent = fake
     agent.send_error = nixlRemoteDisconnectError("gone")
-    d.send_notif("P", b"hb")
+    d.probe_interval_s = 0.0
     assert d.lost_peers() == ["P"]
+
+
+def test_notifications_progress_collected_survive_a_collection_that_raises(fake):
+    """Without NIXL's progress thread, `progress` collects into an inbox; a later
+    `recv_notifs` whose own collection raised lost what was waiting there."""
+    d, agent = fake
+    d.options = dataclasses.replace(d.options, progress_thread=False)
+    agent.incoming = [{"P": [b"ack-1"]}, RuntimeError("NIXL_ERR_BACKEND (transient)")]
+    d.progress()
+    with pytest.raises(RuntimeError):
+        d.recv_notifs()
+    assert [(n.peer, n.message) for n in d.recv_notifs()] == [("P", b"ack-1")]
 
 
 def test_impossible_reads_are_refused_before_anything_is_posted(fake):

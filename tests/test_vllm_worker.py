@@ -1064,6 +1064,55 @@ def test_one_acknowledgement_p_fails_to_send_does_not_cut_d_off(workers, monkeyp
     assert "lease_acknowledged" in _kinds(d, "t2")  # P's later answers reached D
 
 
+def _failing_sends(monkeypatch, worker, fails, wanted=lambda message: True):
+    """``worker``'s NIXL sends of ``wanted`` messages raise, ``fails`` of them (probes
+    included when wanted), as a transient NIXL error does; ``fails`` fills with them."""
+    send, failed = worker.transport._agent.send_notif, []
+
+    def flaky(peer, message):
+        if len(failed) < fails and wanted(message):
+            failed.append(message)
+            raise RuntimeError("NIXL_ERR_BACKEND (transient)")
+        return send(peer, message)
+
+    monkeypatch.setattr(worker.transport._agent, "send_notif", flaky)
+    return failed
+
+
+def _is_release(message: bytes) -> bool:
+    try:
+        return isinstance(messages.decode(message), messages.Release)
+    except Exception:  # a liveness probe
+        return False
+
+
+def test_sends_d_fails_in_a_row_never_cut_p_off_a_read_in_flight(workers, monkeypatch):
+    """Transient send errors on D, many in a row: D keeps P as a peer and heartbeats it
+    again, so P holds the lease while the READ is in flight (D used to give P up after
+    one failed send, stop heartbeating it, and P freed under the READ), and D logs no
+    heartbeat it did not send."""
+    p, d, pc, dc, port = workers
+    _export(p, "t3", 2, "tok-t3")
+    params = _params("t3", port, (7, 8), "tok-t3", debug_read_delay_s=LEASE * 1.5)
+    d.start_step(StepPlan(admits=[Admit("LT3", params, "", 2 * BLOCK)],
+                          reads=[Read("LT3", [[20, 21]])]))
+    _pump(p, d, lambda s, r, f: _d_state(d, "t3") is DState.READING)
+    failed_sends = _failing_sends(monkeypatch, d, 10)
+    sent, recved, failed = _pump(p, d, lambda s, r, f: "t3" in s and "LT3" in r, skip=0.05)
+    assert len(failed_sends) == 10 and failed == set() and d.transport.lost_peers() == []
+    assert "lease_expired" not in _kinds(p, "t3") and _same(pc, dc, (7, 8), (20, 21))
+    assert _kinds(d, "t3").count("heartbeat_sent") <= _kinds(p, "t3").count("heartbeat_received")
+
+
+def test_a_release_d_fails_to_send_goes_in_a_later_step(workers, monkeypatch):
+    """P frees on the release, not a lease later (the engine sends a release once)."""
+    p, d, pc, dc, port = workers
+    failed_sends = _failing_sends(monkeypatch, d, 1, _is_release)
+    _done_handoff(p, d, port, "q1", "LQ1", (7, 8), "tok-q1", [20, 21], skip=0.05)
+    assert len(failed_sends) == 1
+    assert "lease_expired" not in _kinds(p, "q1") and _kinds(p, "q1").count("freed") == 1
+
+
 def test_a_p_without_fence_slots_is_asked_at_admission_as_before(tmp_path):
     port = free_port()
     extra = {"lease_s": LEASE, "heartbeat_interval_s": 0.3, "lease_margin_s": 0.2,

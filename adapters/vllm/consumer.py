@@ -492,7 +492,8 @@ class ConsumerHalf:
             if self._send(peer, hb, "heartbeat"):
                 self.consumer.heartbeat_sent(peer, hb, now, urgent)
         for peer, release in step.releases:
-            self._send(peer, release, "release")
+            if not self._send(peer, release, "release"):  # tried again each step, for a lease
+                self._unsent_releases.append((peer, release, now + self.cfg.lease_s))
         for rid in step.timed_out:
             rec = self._rec(rid)
             log.warning("vllm.worker.read_timeout", request_id=rid,
@@ -669,4 +670,14 @@ class ConsumerHalf:
             self._report_failed.add(local_id)
             self._fail_now.pop(0)
             self._forget(local_id)
+        self._resend_releases(now)  # those that failed in an earlier step
         self._carry_out(self.consumer.poll(now), now)
+
+    def _resend_releases(self, now: float) -> None:
+        """A release whose send failed is sent again each step until it goes, or until P
+        has freed by lease anyway: without it P held the blocks a whole lease (the engine
+        sends a release once; a lost one is what P's lease is for)."""
+        unsent, self._unsent_releases = self._unsent_releases, []
+        for peer, release, until in unsent:
+            if now < until and not self._send(peer, release, "release"):
+                self._unsent_releases.append((peer, release, until))

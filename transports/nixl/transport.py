@@ -108,7 +108,6 @@ from .reads import (
 log = structlog.get_logger(__name__)
 
 PROBE = b"\x00kvh.probe"  # internal liveness probe; never handed to the receiver's caller
-LOST_AFTER_FAILED_SENDS = 3  # failed notifications in a row that make a peer lost
 
 
 @dataclass(slots=True)
@@ -129,7 +128,7 @@ class _Peer:
     lost: bool = False
     removing: bool = False
     probed_at: float = 0.0
-    send_failures: int = 0  # notifications (probes too) failed in a row since the last one sent
+    probe_failures: int = 0  # liveness probes failed in a row (the first of a run is logged)
     ipc_offer: list | None = None  # its exported VRAM allocations (same node, vram_ipc on)
     ipc: PeerMemory | None = None  # ...mapped here, on the first VRAM READ that needs them
     ipc_tried: bool = False
@@ -407,32 +406,30 @@ class NixlTransport:
     # -- notifications -------------------------------------------------------
 
     def send_notif(self, peer: str, message: bytes) -> None:
-        """Send ``message`` to ``peer``; a peer that cannot be reached is marked lost."""
+        """Send ``message`` to ``peer``: to a lost peer it goes nowhere, as into a dead one.
+
+        A send that fails raises `TransportError` (the caller may try again) and makes the
+        peer lost only if NIXL says the peer disconnected: one error that may pass is not a
+        dead peer, and a live peer given up stays cut off (a P that dropped its D answered
+        none of D's heartbeats; a D that dropped its P stopped heartbeating it, and P freed
+        under the READ).
+        """
         self._open()
         p = self._peer(peer)
         if p.lost:
             return
-        self._notify(p, message, "notification")
-
-    def _notify(self, p: _Peer, message: bytes, what: str) -> None:
-        """Send one notification (or probe); the peer is lost after a remote disconnect or
-        `LOST_AFTER_FAILED_SENDS` failures in a row, not after one error that may pass: a P
-        that dropped a live D could not answer its heartbeats until D handshook again."""
         try:
-            self._agent.send_notif(p.name, message)
+            self._agent.send_notif(peer, message)
         except Exception as exc:
-            p.send_failures += 1
-            reason = self._failure(p, what, exc, lost=p.send_failures >= LOST_AFTER_FAILED_SENDS)
-            if not p.lost:
-                log.warning("nixl.notification_failed", agent=self.name, peer=p.name,
-                            reason=reason, in_a_row=p.send_failures)
-        else:
-            p.send_failures = 0
+            reason = self._failure(p, "notification", exc)
+            raise TransportError(f"{self.name}: notification to {peer!r} failed: {reason}") \
+                from exc
 
     def recv_notifs(self) -> list[Notification]:
         self._open()
+        new = self._collect()  # raising, it leaves what `progress` collected in the inbox
         out, self._inbox = self._inbox, []
-        out.extend(self._collect())
+        out.extend(new)
         return out
 
     def _collect(self) -> list[Notification]:
@@ -449,7 +446,16 @@ class NixlTransport:
         for p in self._peers.values():
             if not p.lost and now - p.probed_at >= self.probe_interval_s:
                 p.probed_at = now
-                self._notify(p, PROBE, "liveness probe")
+                try:
+                    self._agent.send_notif(p.name, PROBE)
+                except Exception as exc:  # lost on a disconnect only, as for any notification
+                    reason = self._failure(p, "liveness probe", exc)
+                    p.probe_failures += 1
+                    if not p.lost and p.probe_failures == 1:
+                        log.warning("nixl.probe_failed", agent=self.name, peer=p.name,
+                                    reason=reason)
+                else:
+                    p.probe_failures = 0
         return sorted(p.name for p in self._peers.values() if p.lost)
 
     # -- lifecycle -------------------------------------------------------------
