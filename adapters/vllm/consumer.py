@@ -41,7 +41,7 @@ from kvhandoff.core.planning import (
     tokens_loaded,
     validate_block_ids,
 )
-from kvhandoff.transports.base import group_splits
+from kvhandoff.transports.base import UnknownPeer, group_splits
 
 log = structlog.get_logger(__name__)
 
@@ -679,5 +679,11 @@ class ConsumerHalf:
         sends a release once; a lost one is what P's lease is for)."""
         unsent, self._unsent_releases = self._unsent_releases, []
         for peer, release, until in unsent:
-            if now < until and not self._send(peer, release, "release"):
+            if now >= until:
+                continue
+            try:  # quietly: `_send` logged the first failure
+                self.transport.send_notif(peer, messages.encode(release))
+            except UnknownPeer:  # P dropped as lost: nobody to tell
+                pass
+            except Exception:
                 self._unsent_releases.append((peer, release, until))
