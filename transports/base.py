@@ -25,8 +25,11 @@ Theory of operation
 * `poll` returns each handle's completion exactly once: `ok=True`, or
   `ok=False` with the reason (failed post, remote disconnect, timeout);
   `progress` advances transfers between polls.
-* `send_notif` / `recv_notifs` carry small byte messages; `lost_peers`
-  reports peers the transport knows to be gone.
+* `send_notif` / `recv_notifs` carry small byte messages; a send that fails
+  raises `TransportError` (the caller may send again), and one to a peer
+  already lost goes nowhere.  `lost_peers` reports peers the transport knows
+  to be gone (a remote disconnect): never a live peer after an error that
+  may pass.
 """
 
 from __future__ import annotations
