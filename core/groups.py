@@ -177,6 +177,11 @@ class CacheLayout:
     groups: tuple[CacheGroup, ...]
     version: int = SCHEMA_VERSION
     speculative_tokens: int = 0  # the engine's num_speculative_tokens (draft tokens per step)
+    # vLLM's ``num_prefill_lookahead_tokens``: prompt tokens past the computed range the
+    # drafter reads (multi-module MTP: its whole chain), which P must leave to D
+    # (`core.planning.prefill_backoff`).  Local: both sides derive it from the same
+    # model config, and a mismatch is D's ``remote_num_tokens`` check; never on the wire.
+    prefill_lookahead: int = field(default=0, compare=False)
     # vLLM's index of each group here (its transfer groups) and how many groups vLLM has:
     # local knowledge to cut vLLM's per-group block lists (`select`), never on the wire.
     # Two groups here may come from one of vLLM's (one block table, layers split by kind).

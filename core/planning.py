@@ -143,7 +143,8 @@ def blocks_needed(group: CacheGroup, num_tokens: int) -> int:
 
 
 def prefill_backoff(layout: CacheLayout) -> int:
-    """Prompt tokens P leaves to D: 1 when any group does not read the whole prompt, else 0.
+    """Prompt tokens P leaves to D: 1 when any group does not read the whole prompt, else 0
+    (more with a multi-module MTP drafter).
 
     P's sliding-window and state groups keep what the *next* token needs
     once a prompt's tokens are computed: the blocks of the window it attends
@@ -154,8 +155,14 @@ def prefill_backoff(layout: CacheLayout) -> int:
     loads those and computes the last one, as vLLM's NixlConnector does for
     state models (``_prefill_backoff``).  Full attention keeps every block:
     D loads the whole prompt and recomputes its last token.
+
+    A drafter that reads past the computed range (``prefill_lookahead``, vLLM's
+    ``num_prefill_lookahead_tokens``: a multi-module MTP chain) leaves all but one
+    of those tokens to D as well, as NixlConnector does: P would otherwise write
+    unverified drafts into the MTP layers' cache, which D never rebuilds.
     """
-    return 1 if any(g.kind.reads is not Reads.PROMPT for g in layout.groups) else 0
+    windowed = 1 if any(g.kind.reads is not Reads.PROMPT for g in layout.groups) else 0
+    return max(windowed, layout.prefill_lookahead - 1)
 
 
 def tokens_loaded(layout: CacheLayout, num_prompt_tokens: int) -> int:

@@ -367,6 +367,23 @@ def test_a_model_with_a_window_or_state_leaves_the_last_prompt_token_to_d():
     assert (tokens_loaded(plain, 100), tokens_loaded(gemma, 100), tokens_loaded(gemma, 1)) == (100, 99, 1)
 
 
+def test_a_multi_module_mtp_drafter_leaves_its_lookahead_window_to_d_but_one_token():
+    """vLLM's ``num_prefill_lookahead_tokens`` k: P leaves k - 1 prompt tokens to D (at
+    least the one a window or state group needs), as NixlConnector's ``_prefill_backoff``."""
+    import dataclasses
+
+    from kvhandoff.core.planning import prefill_backoff, tokens_loaded
+    from tests.hybrid_layouts import gemma_layout, one_group_layout
+
+    plain = one_group_layout(["a", "b"], 64, 16, 1024)
+    gemma = gemma_layout(64, 16, 1024, window=32)
+    for k, plain_backoff, gemma_backoff in [(0, 0, 1), (1, 0, 1), (2, 1, 1), (3, 2, 2), (5, 4, 4)]:
+        assert prefill_backoff(dataclasses.replace(plain, prefill_lookahead=k)) == plain_backoff
+        assert prefill_backoff(dataclasses.replace(gemma, prefill_lookahead=k)) == gemma_backoff
+    assert tokens_loaded(dataclasses.replace(plain, prefill_lookahead=3), 100) == 98
+    assert dataclasses.replace(plain, prefill_lookahead=3) == plain  # local: not compared
+
+
 def test_p_exports_each_group_clipped_to_what_d_reads():
     from kvhandoff.core.planning import export_ids, export_lengths
     from tests.hybrid_layouts import gemma_layout

@@ -187,3 +187,23 @@ def test_d_admits_the_export_of_a_split_group(tmp_path):
     _, _, out, _ = _d_admits(tmp_path, params)
     (admit,) = out.kv_connector_metadata.metadata[0].plan.admits
     assert not admit.error, admit.error
+
+
+def test_d_tells_vllm_it_loads_the_transfer_groups_not_hisparse_s_own(tmp_path):
+    """HiSparse's resident and hot groups are D's own (``enable_kv_transfer=False``): the
+    hand-off loads the source and indexer groups only, so those are the groups vLLM must
+    not zero during the load (``get_loaded_kv_cache_group_ids`` through vLLM's
+    ``MultiConnector``), as vLLM's NixlConnector answers for the same config."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+        NixlBaseConnector,
+    )
+
+    params = _export_from_p(tmp_path)
+    s, req, _, _ = _d_admits(tmp_path, params)
+    cfg = s.kv_cache_config
+    assert len(cfg.kv_cache_groups) > len(cfg.transfer_group_ids) == 2
+    nixl = NixlBaseConnector.get_loaded_kv_cache_group_ids(
+        SimpleNamespace(_kv_cache_config=cfg), req)
+    assert s.connector.get_loaded_kv_cache_group_ids(req) == nixl == cfg.transfer_group_ids

@@ -351,3 +351,77 @@ def test_p_prefix_hit_exports_the_shared_blocks_and_the_running_slot(tmp_path):
     assert len(prompt_blocks) == -(-n // bs)
     # The hit's blocks (cached by the local request) are handed over with the rest.
     assert all(pool[b].block_hash is not None for b in prompt_blocks[:hit // bs])
+
+
+def test_d_with_prompt_logprobs_computes_the_whole_prompt_and_releases_p(tmp_path):
+    """A request with prompt logprobs skips reading the prefix cache: vLLM's scheduler on
+    D drops the connector's match (``scheduler.py``: ``skip_reading_prefix_cache``), so D
+    computes the whole prompt and reads nothing.  D still admits P's export (P left the
+    same last token out as for any request) and its plan releases P's blocks at once."""
+    from vllm.sampling_params import SamplingParams
+
+    prompt = list(range(1, PROMPT + 1))
+    _, _, finished = _prefill_on_p(tmp_path, prompt)
+    p_params = finished[0][2][1]
+    s, _, hbs = _scheduler(tmp_path, "kv_consumer", "D-q4")
+    req = _request(prompt, hbs, _d_params(p_params), max_tokens=4)
+    req.sampling_params = SamplingParams(max_tokens=4, prompt_logprobs=1)
+    req.skip_reading_prefix_cache = req.get_skip_reading_prefix_cache()
+    assert req.skip_reading_prefix_cache
+    s.add_request(req)
+    out = _step(s)
+    plan = out.kv_connector_metadata.plan
+    (admit,) = plan.admits
+    assert admit.error == ""  # P's export is what D expected: no rejection
+    (read,) = plan.reads
+    assert not read.awaiting and not any(read.local_block_ids)  # nothing to read: a release
+    (new,) = out.scheduled_new_reqs  # not waiting for remote KVs: D computes from token 0
+    assert new.req_id == req.request_id and new.num_computed_tokens == 0
+    computed = out.num_scheduled_tokens[req.request_id]
+    while computed < PROMPT:  # in chunks of the step's token budget
+        computed += _step(s).num_scheduled_tokens[req.request_id]
+    assert computed == PROMPT and req.num_output_tokens == 1
+
+
+def test_d_tells_vllm_it_loads_the_transfer_groups_as_nixl_connector_does(tmp_path):
+    """``get_loaded_kv_cache_group_ids``: vLLM skips zeroing the new blocks of these groups
+    while the load runs.  The seed's groups all transfer; the answer is vLLM's
+    NixlConnector's for the same config (its transfer groups, not every group)."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+        NixlBaseConnector,
+    )
+
+    s, _, hbs = _scheduler(tmp_path, "kv_consumer", "D-q4")
+    req = _request(list(range(1, PROMPT + 1)), hbs)
+    cfg = s.kv_cache_config
+    nixl = NixlBaseConnector.get_loaded_kv_cache_group_ids(
+        SimpleNamespace(_kv_cache_config=cfg), req)
+    assert s.connector.get_loaded_kv_cache_group_ids(req) == nixl == cfg.transfer_group_ids
+
+
+@pytest.mark.parametrize("lookahead", [0, 1, 2, 3])
+def test_the_prefill_backoff_is_nixl_connector_s_for_the_drafter_s_lookahead(tmp_path, lookahead):
+    """The prompt tokens P leaves to D: the seed's state groups need one, a drafter that
+    reads ``num_prefill_lookahead_tokens`` past the computed range (multi-module MTP) all
+    of them but one; vLLM's NixlConnector scheduler computes the same
+    (``_prefill_backoff``) from the same config."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_scheduler import (
+        NixlBaseConnectorScheduler,
+    )
+
+    from kvhandoff.adapters.vllm.layout import cache_layout
+    from kvhandoff.core.planning import prefill_backoff
+
+    s, _, _ = _scheduler(tmp_path, "kv_consumer", "D-q4")
+    cfg = s.vllm_config
+    assert s.connector.layout.prefill_lookahead == cfg.num_prefill_lookahead_tokens == 1
+    layout = cache_layout(s.kv_cache_config, cfg.num_speculative_tokens,
+                          prefill_lookahead=lookahead)
+    nixl = NixlBaseConnectorScheduler._prefill_backoff(SimpleNamespace(
+        _has_mamba=True, _bounded_replay=False,
+        vllm_config=SimpleNamespace(num_prefill_lookahead_tokens=lookahead)))
+    assert prefill_backoff(layout) == nixl == max(1, lookahead - 1)

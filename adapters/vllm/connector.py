@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvhandoff.adapters.vllm import stats as kstats
 from kvhandoff.adapters.vllm.config import HandoffConfig, UnsupportedTopology
-from kvhandoff.adapters.vllm.layout import cache_layout
+from kvhandoff.adapters.vllm.layout import cache_layout, transfer_groups
 from kvhandoff.adapters.vllm.metadata import metadata_class
 from kvhandoff.adapters.vllm.scheduler import HandoffScheduler
 from kvhandoff.adapters.vllm.worker import HandoffWorker
@@ -149,7 +149,9 @@ def _check_topology(vllm_config: VllmConfig, kv_cache_config: Any) -> CacheLayou
             # D reads into a HiSparse host pool; P's caches are read from the device.
             layout = cache_layout(kv_cache_config,
                                   getattr(vllm_config, "num_speculative_tokens", None),
-                                  host_pools=kvt.kv_role == "kv_consumer")
+                                  host_pools=kvt.kv_role == "kv_consumer",
+                                  prefill_lookahead=getattr(
+                                      vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
         except UnsupportedTopology as exc:
             problems.append(str(exc))
     if problems:
@@ -237,7 +239,10 @@ class KVHandoffConnector(KVConnectorBase_V1, SupportsHMA):
                                            per_engine_labelvalues)
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
-        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+        """The groups a hand-off writes, as NixlConnector answers: the transfer groups.
+        vLLM skips zeroing these groups' new blocks; a group D keeps for itself
+        (HiSparse's resident and hot groups) is not loaded and must not be skipped."""
+        return tuple(i for i, _ in transfer_groups(self._kv_cache_config))
 
     # ---- scheduler side ---------------------------------------------------
 

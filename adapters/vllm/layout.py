@@ -264,12 +264,13 @@ def _host_pool(kv_cache_config: Any, groups: list[tuple[int, Any]], host_pools: 
 
 
 def cache_layout(kv_cache_config: Any, num_speculative_tokens: int | None = None,
-                 host_pools: bool = False) -> CacheLayout:
+                 host_pools: bool = False, prefill_lookahead: int = 0) -> CacheLayout:
     """The `CacheLayout` of an engine's ``KVCacheConfig`` (see the module docstring).
 
     ``num_speculative_tokens`` is the engine's (``vllm_config.num_speculative_tokens``),
     compared at the handshake; left out, it is read off the state specs' scratch slots.
     ``host_pools`` maps a HiSparse host pool instead of refusing it.
+    ``prefill_lookahead`` is ``vllm_config.num_prefill_lookahead_tokens``.
     """
     groups = transfer_groups(kv_cache_config)
     if not groups:
@@ -320,6 +321,7 @@ def cache_layout(kv_cache_config: Any, num_speculative_tokens: int | None = None
             sources.append(i)
     return CacheLayout(tuple(out),
                        speculative_tokens=_speculative_tokens(kv_cache_config, num_speculative_tokens),
+                       prefill_lookahead=prefill_lookahead,
                        source_groups=tuple(sources),
                        num_source_groups=len(kv_cache_config.kv_cache_groups),
                        host_block_stride=(getattr(kv_cache_config, "hisparse_host_block_stride",
