@@ -279,15 +279,22 @@ def test_a_split_read_notifies_the_source_only_after_the_last_split_landed(fake)
     assert agent.sent == [("P", b"release:r2")]
 
 
-def test_a_read_whose_notification_cannot_be_sent_fails_and_the_peer_is_lost(fake):
+@pytest.mark.parametrize("error, lost", [(nixlRemoteDisconnectError("gone"), True),
+                                          (nixlBackendError("NIXL_ERR_BACKEND"), False)])
+def test_a_read_whose_notification_cannot_be_sent_fails_and_only_a_disconnect_loses_the_peer(
+        fake, error, lost):
+    """The READ's completion notification is not sent: the READ fails (its reader was to
+    tell P with it), and the peer is lost on a remote disconnect only, as for any send."""
     d, agent = fake
     h = d.post_split_read("P", [ReadSplit(coalesce([0], [0]), (("layer0", "layer0"),)),
                                 ReadSplit(coalesce([0], [0]), (("layer1", "layer1"),))], b"r")
     agent.state[1] = agent.state[2] = "DONE"
-    agent.send_error = nixlRemoteDisconnectError("gone")
+    agent.send_error = error
     (c,) = d.poll()
     assert (c.handle, c.ok) == (h, False) and "notification" in c.reason
-    assert d.lost_peers() == ["P"]
+    d.probe_interval_s = 0.0
+    agent.send_error = error if lost else None
+    assert d.lost_peers() == (["P"] if lost else [])
 
 
 def test_a_send_that_fails_raises_and_only_a_disconnect_loses_the_peer(fake):

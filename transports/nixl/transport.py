@@ -612,7 +612,7 @@ class NixlTransport:
             try:
                 self._agent.send_notif(p.name, pending.notif_after)
             except Exception as exc:
-                pending.failure = self._failure(p, "completion notification", exc, lost=True)
+                pending.failure = self._failure(p, "completion notification", exc)
         if p.removing and not p.inflight:
             self._drop_peer(p)
         if pending.failure:
@@ -620,9 +620,11 @@ class NixlTransport:
                         handle=pending.handle, reason=pending.failure)
         return Completion(pending.handle, not pending.failure, pending.failure)
 
-    def _failure(self, peer: _Peer, what: str, exc: BaseException, lost: bool = False) -> str:
+    def _failure(self, peer: _Peer, what: str, exc: BaseException) -> str:
+        """The reason to hand out for ``exc``; the peer is lost on a remote disconnect only
+        (an error that may pass never gives a live peer up)."""
         kind = type(exc).__name__
-        lost = lost or kind == "nixlRemoteDisconnectError"
+        lost = kind == "nixlRemoteDisconnectError"
         reason = f"{what}: {'remote disconnect' if kind == 'nixlRemoteDisconnectError' else kind}"
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         if lost and not peer.lost:
