@@ -28,6 +28,8 @@ rank), used to send to it and to vouch for what arrives from it.
   plan the heartbeats (`policy.heartbeat_plan`).  The driver sends each one
   and then says so with ``heartbeat_sent`` (a send that fails is not
   recorded, and is planned again next poll).
+* ``release_unsent``: the driver could not send a release; ``poll`` plans it
+  again (`policy.release_retry_at`) until it goes or P has freed by lease.
 * ``forget(now)`` drops finished records (`policy.to_forget`).
 
 The connector's D worker (`adapters.vllm.consumer`) and the simulator's D
@@ -86,6 +88,7 @@ from kvhandoff.core.policy import (
     last_vouched,
     next_heartbeat,
     read_deadline,
+    release_retry_at,
     report_due,
     to_forget,
 )
@@ -192,6 +195,10 @@ class ConsumerEngine(LedgerEngine):
         self._dirty = True
         self._polled: tuple[int, TimingConfig] | None = None  # (stream seq, timing) then
         self._quiet_until = -math.inf  # that poll's `due_at`
+        # Releases the driver could not send, per request: (peer, message, first failure,
+        # next try); and of those the last poll planned again, their first failure.
+        self._unsent: dict[str, tuple[Hashable, Release, float, float]] = {}
+        self._retried: dict[str, float] = {}
         self._hb_rebuild()
 
     def _hb_rebuild(self) -> None:
@@ -364,6 +371,8 @@ class ConsumerEngine(LedgerEngine):
         self._due_cache = None
         self._reading.pop(rid, None)
         self._fresh.discard(rid)
+        self._unsent.pop(rid, None)
+        self._retried.pop(rid, None)
 
     def in_flight(self, rid: str) -> int:
         """How many of the request's READs still move bytes into D's pages."""
@@ -421,6 +430,7 @@ class ConsumerEngine(LedgerEngine):
                 and self._polled == (self._ss.last_seq, self.timing)):
             return ConsumerStep()  # the last poll decided nothing and nothing changed
         step = ConsumerStep()
+        self._retried.clear()  # the driver reported the last poll's failed sends already
         if self._ss.last_seq != self._hb_seq or self.timing is not self._settled_timing:
             self._hb_rebuild()  # another writer moved the stream, or the timing changed
             self._settled_timing = self.timing
@@ -439,6 +449,8 @@ class ConsumerEngine(LedgerEngine):
                 awaiting.setdefault(found[1], []).append(rid)
         self._awaiting, self._deadline = awaiting, wake
         self._plan_heartbeats(now, awaiting, step)
+        if self._unsent:
+            self._retry_releases(now, step)
         # Anything decided is an input to the next poll (the driver may not carry it out).
         self._dirty = bool(step)
         self._polled = (self._ss.last_seq, self.timing)
@@ -508,9 +520,46 @@ class ConsumerEngine(LedgerEngine):
         return self._next_due()
 
     def _next_due(self) -> float:
-        return min(self._deadline, next_heartbeat(self._due(), self._last_sent, self._last_asked,
-                                                  self._periods, self._awaiting, self._reasked,
-                                                  self._unanswered))
+        retry = min((u[3] for u in self._unsent.values()), default=math.inf)
+        return min(self._deadline, retry,
+                   next_heartbeat(self._due(), self._last_sent, self._last_asked,
+                                  self._periods, self._awaiting, self._reasked,
+                                  self._unanswered))
+
+    def release_unsent(self, peer: Hashable, release: Release, now: float,
+                       retry: bool = True) -> bool:
+        """The driver could not send ``release`` (one this engine planned) to ``peer``:
+        ``poll`` plans it again at `policy.release_retry_at`, until a send goes or the
+        time is up.  ``retry=False``: there is nobody to send it to (the driver dropped
+        the peer as lost).  True on the request's first failed send (the driver logs
+        that one, not each retry).  A release of a request this engine no longer acts
+        for, or with another token (a driver's mistake), is not planned again: it would
+        reach P for whatever request holds the id by then."""
+        rid = release.request_id
+        req = self._reqs.get(rid)
+        if req is None or req.token != release.token:
+            return True
+        first = self._retried.pop(rid, None)
+        pending = self._unsent.pop(rid, None)
+        if first is None and pending is not None:
+            first = pending[2]
+        is_first = first is None
+        if is_first:
+            first = now
+        if retry:
+            at = release_retry_at(first, now, self.timing.heartbeat_interval_s,
+                                  max(self.timing.lease_s, self._lease_of(rid)))
+            if at is not None:
+                self._dirty = True
+                self._unsent[rid] = (peer, release, first, at)
+        return is_first
+
+    def _retry_releases(self, now: float, step: ConsumerStep) -> None:
+        for rid, (peer, release, first, at) in list(self._unsent.items()):
+            if at <= now:
+                del self._unsent[rid]
+                self._retried[rid] = first
+                step.releases.append((peer, release))
 
     def heartbeat_sent(self, peer: Hashable, hb: Heartbeat, now: float, urgent: bool) -> None:
         """The driver sent ``hb`` (planned by ``poll``, or fewer of its ids) to ``peer``."""

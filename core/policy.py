@@ -200,6 +200,19 @@ def report_due(rec: ConsumerRecord, now: float, timing: TimingConfig) -> bool:
             or now > read_deadline(rec, timing.read_timeout_s))
 
 
+def release_retry_at(first_failed: float, failed_at: float, interval_s: float,
+                     lease_s: float) -> float | None:
+    """D: when a release whose send failed at ``failed_at`` (its first failure at
+    ``first_failed``) is sent again: a quarter heartbeat interval later (as a heartbeat
+    P has not answered is asked again), for as long as P may still hold the blocks, a
+    lease (the request's) after the first failure: P has freed them by lease then.
+    None once given up.  D sends a release once (`ReleaseSent`); P's lease is for a
+    release lost on the way, and would otherwise hold the blocks a whole lease for one
+    D could not send."""
+    at = failed_at + interval_s / 4
+    return at if at < first_failed + lease_s else None
+
+
 def read_deadline(rec: ConsumerRecord, timeout_s: float) -> float:
     """D: when a request's READs are given up (failed) if they have not drained, or drained
     with no proof, on D's clock.

@@ -57,7 +57,7 @@ from kvhandoff.simulations.loop import EngineLoop
 from kvhandoff.simulations.policies import DecodePolicy
 from kvhandoff.simulations.prefill import SimRequest, TransferParams
 from kvhandoff.transports.base import FenceReader, ReadRequest, TransportError, group_splits
-from kvhandoff.transports.sim import SimBlockPool, SimNetwork
+from kvhandoff.transports.sim import SendRefused, SimBlockPool, SimNetwork
 
 
 @dataclass(slots=True)
@@ -270,7 +270,10 @@ class DecodeEngine:
                 hb = Heartbeat(hb.engine, hb.rank, hb.sent_at, ids,
                                tuple(self.tokens.get(rid, "") for rid in ids) if hb.tokens else ())
             if hb.request_ids:
-                agent.send_notif(peer, encode(hb))
+                try:
+                    agent.send_notif(peer, encode(hb))
+                except SendRefused:
+                    continue  # not recorded: the engine plans it again (as the worker does)
                 for rid in hb.request_ids:
                     self.last_beat[(rid, d // self.k)] = now
             self.engines[d].heartbeat_sent(peer, hb, now, urgent)
@@ -280,7 +283,10 @@ class DecodeEngine:
             if (self.policy.release_with_reads and release.request_id in reported
                     and imp is not None and d not in imp.failed_ranks):
                 continue  # vLLM: the rank's READs carried it
-            agent.send_notif(peer, encode(release))
+            try:
+                agent.send_notif(peer, encode(release))
+            except SendRefused:  # the engine plans it again (as the worker tells it)
+                self.engines[d].release_unsent(peer, release, now)
         for f in step.finished:
             imp = self.reading.get(f.request_id)
             if imp is not None:
@@ -444,8 +450,12 @@ class DecodeEngine:
         if imp.rank_open[d] or not self.policy.release_with_reads:
             return
         if d not in imp.failed_ranks:
-            self.agents[d].send_notif(self.peers[d], encode(
-                Release(rid, self.name, d, self.tokens.get(rid, ""))))
+            try:
+                self.agents[d].send_notif(self.peers[d], encode(
+                    Release(rid, self.name, d, self.tokens.get(rid, ""))))
+            except SendRefused:
+                pass  # lost: P's lease runs out (vLLM's rides on the READ and cannot be
+                # refused; no scenario refuses releases with this model's hybrid layouts)
 
     def _post_reads(self, now: float) -> None:
         posted = []

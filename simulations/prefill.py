@@ -31,7 +31,7 @@ from kvhandoff.simulations.config import RunConfig
 from kvhandoff.simulations.loop import EngineLoop
 from kvhandoff.simulations.policies import KVHANDOFF, DecodePolicy
 from kvhandoff.transports.base import fence_region
-from kvhandoff.transports.sim import SimBlockPool, SimNetwork
+from kvhandoff.transports.sim import SendRefused, SimBlockPool, SimNetwork
 
 
 @dataclass(slots=True)
@@ -265,7 +265,10 @@ class PrefillEngine:
         step = self.engines[rank].on_notification(sender, msg, now)
         if self.policy.acknowledges:
             for _, ack in step.acks:
-                self.agents[rank].send_notif(peer, encode(ack))
+                try:
+                    self.agents[rank].send_notif(peer, encode(ack))
+                except SendRefused:
+                    pass  # lost, as P's worker logs it: D asks again
 
     def _reap(self, now: float) -> int:
         freed = 0

@@ -10,6 +10,7 @@ exact command that reproduces it, hashes all runs' logs into one
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import multiprocessing
 import os
@@ -146,7 +147,15 @@ def sweep(scenarios: Iterable[str], seeds: range, policy: str = "kvhandoff",
     if jobs > 1 and len(tasks) > 1:
         ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
                                           else "spawn")
-        with ctx.Pool(jobs) as pool:
+        # Forked workers inherit the parent's objects, garbage included; a collection in
+        # a worker that finalizes one (a NIXL agent the parent dropped: its threads are
+        # not in the child) aborts the worker.  Frozen, they are never collected there.
+        gc.freeze()
+        try:
+            pool = ctx.Pool(jobs)
+        finally:
+            gc.unfreeze()
+        with pool:
             # Small chunks: a run lasts milliseconds, and a large last chunk leaves the
             # other workers idle at the end of the sweep.
             results = pool.imap(_run_task, tasks, chunksize=max(1, min(8, len(tasks) // (jobs * 8))))

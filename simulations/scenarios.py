@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import replace
 
 from kvhandoff.core.groups import CacheKind
 from kvhandoff.simulations.config import CancelPlan, RunConfig, SimGroup
@@ -160,6 +161,18 @@ def _acks_lost(cfg: RunConfig, rng: random.Random) -> None:
     cfg.notif_faults = {"ack": NotifFaults(drop=1.0)}
     _slow_reads(cfg, share=0.3, lo=0.01, hi=0.2)
     cfg.read_timeout_s = 2 * cfg.lease_s  # an unproven request fails within the run
+
+
+@scenario("notification_sends_refused",
+          "D's and P's send_notif fails now and then, up to twice in a row per link and kind "
+          "(NIXL's raises on an endpoint error), while long READs run: a refused heartbeat "
+          "goes at D's next poll, a refused release again a quarter period later; leases "
+          "hold and P frees on the release, never by expiry")
+def _sends_refused(cfg: RunConfig, rng: random.Random) -> None:
+    faults = NotifFaults(refuse=rng.uniform(0.2, 0.6), max_consecutive_drops=2)
+    cfg.notif_faults = {"hb": faults, "rel": faults, "ack": faults}
+    _slow_reads(cfg, share=0.5)
+    cfg.cancel = CancelPlan(0.3, ("reads_posted",), (0.001, 10.0))
 
 
 @scenario("fence_slots_exhausted",
@@ -322,6 +335,11 @@ def _swarm(cfg: RunConfig, rng: random.Random) -> None:
                 duplicate=rng.uniform(0.0, 0.5), delay=rng.uniform(0.0, 0.3),
                 delay_s=rng.uniform(0.0, 0.3) * lease, reorder=rng.uniform(0.0, 0.5),
                 max_consecutive_drops=2)
+    # Refused sends from a draw of their own: the other faults stay as each seed drew them.
+    own = random.Random(sub_seed(cfg.seed, "swarm/refuse"))
+    for kind, f in list(faults.items()):
+        if own.random() < 0.5:
+            faults[kind] = replace(f, refuse=own.uniform(0.0, 0.5))
     cfg.notif_faults = faults
     cfg.read_faults = ReadFaults(fail=rng.uniform(0.0, 0.2) if maybe(0.3) else 0.0,
                                  slow=rng.uniform(0.0, 0.5) if maybe() else 0.0,

@@ -31,7 +31,7 @@ from kvhandoff.simulations.decode import DecodeEngine
 from kvhandoff.simulations.policies import POLICY_BY_NAME
 from kvhandoff.simulations.prefill import PrefillEngine, SimRequest, TransferParams
 from kvhandoff.transports.base import KVRegion
-from kvhandoff.transports.sim import SimClock, SimNetwork, sub_seed
+from kvhandoff.transports.sim import SendRefused, SimClock, SimNetwork, sub_seed
 
 MAX_CLOCK_STEPS = 2_000_000  # a run that needs more is livelocked: reported as stuck
 
@@ -253,11 +253,18 @@ class World:
         return TransferParams(params.request_id, params.remote_engine, params.remote_ranks,
                               ids, params.num_blocks, params.token)
 
+    def _stray_send(self, dst: str, msg: Release | Heartbeat | HeartbeatAck) -> None:
+        """The impostor's send; a refused one is simply lost (it does not try again)."""
+        try:
+            self.stray.send_notif(dst, encode(msg))
+        except SendRefused:
+            pass
+
     def _stray_release(self, rid: str) -> None:
         if self.stray is None or self.p.loop.dead:
             return
         for rank, p_agent in enumerate(self.p.agents):
-            self.stray.send_notif(p_agent.name, encode(Release(rid, "decode-stray", rank)))
+            self._stray_send(p_agent.name, Release(rid, "decode-stray", rank))
 
     def _impersonate(self, rid: str) -> None:
         """An impostor copies the consumer's name, D ranks and token (the params leaked).
@@ -278,9 +285,9 @@ class World:
         k = self.cfg.heads_per_p_rank
         for rank, p_agent in enumerate(self.p.agents):
             for d in range(rank * k, (rank + 1) * k):
-                self.stray.send_notif(p_agent.name, encode(Release(rid, self.d.name, d, token)))
-            self.stray.send_notif(p_agent.name, encode(Heartbeat(
-                self.d.name, rank * k, self.clock.now, (rid,), (token,))))
+                self._stray_send(p_agent.name, Release(rid, self.d.name, d, token))
+            self._stray_send(p_agent.name, Heartbeat(self.d.name, rank * k, self.clock.now,
+                                                     (rid,), (token,)))
 
     def _forge_ack(self, rid: str) -> None:
         """An impostor answers D's last heartbeat for ``rid`` as P rank would: "alive for a
@@ -292,8 +299,8 @@ class World:
         for d, agent in enumerate(self.d.agents):
             rec = self.d.state.record(self.d.streams[d], rid)
             if rec is not None:
-                self.stray.send_notif(agent.name, encode(HeartbeatAck(
-                    self.p.name, d // k, rec.last_heartbeat, {rid: self.cfg.lease_s})))
+                self._stray_send(agent.name, HeartbeatAck(self.p.name, d // k, rec.last_heartbeat,
+                                                          {rid: self.cfg.lease_s}))
 
     def _phase(self, req: SimRequest, phase: str) -> None:
         if (phase == "reads_posted" and self.cfg.forged_acks

@@ -194,6 +194,11 @@ MUTANTS: tuple[Mutant, ...] = (
            "        lost = None\n",
            "a keep-alive P never answered is not followed by an ask: with the fence (no asks at "
            "admission) a lease hangs on the next keep-alive alone"),
+    Mutant("refused_release_never_sent_again", "core/consumer.py",
+           "        if retry:\n            at = release_retry_at(",
+           "        if False:\n            at = release_retry_at(",
+           "a release the transport refused to send is not planned again: P holds the blocks "
+           "until the lease runs out"),
     Mutant("release_before_export_ignored", "core/producer.py",
            "        if (isinstance(rec, ProducerRecord) and rec.state is PState.PREFILLING\n",
            "        if (False and isinstance(rec, ProducerRecord)\n",

@@ -514,3 +514,67 @@ def test_a_heartbeat_sent_moves_only_the_record_s_last_heartbeat(engine):
     changed = {name for name in type(after).__slots__
                if getattr(after, name) != getattr(before, name)}
     assert changed == {"last_heartbeat"} and after.last_heartbeat == 2.5
+
+
+def test_a_release_the_driver_could_not_send_is_planned_again_every_quarter_period(engine):
+    """D sends a release once (one `ReleaseSent`); a send that failed is planned again a
+    quarter heartbeat period later, then after each failure, until one goes: P frees on
+    it, not a lease later.  Only the first failure asks the driver to log it; the
+    retries log no event; ``due_at`` names the retry."""
+    _admit(engine)
+    engine.validated("r1", 0.0)
+    (release,) = engine.cancel("r1", 1.0).releases
+    assert engine.release_unsent(*release, 1.0) is True  # the first failure: logged
+    events = len(engine.log)
+    assert engine.due_at == 1.0 + TIMING.heartbeat_interval_s / 4
+    assert engine.poll(1.4).releases == []
+    step = engine.poll(1.5)
+    assert step.releases == [release]
+    assert engine.release_unsent(*release, 1.5) is False  # a retry that failed: quiet
+    assert engine.poll(1.9).releases == [] and engine.poll(2.0).releases == [release]
+    assert engine.poll(2.5).releases == []  # that one went: never again
+    assert engine.due_at == math.inf
+    assert len(engine.log) == events and [e.kind for e in engine.log].count("release_sent") == 1
+
+
+def test_a_release_that_cannot_be_sent_is_given_up_a_lease_after_its_first_failure(engine):
+    """P frees by lease then anyway; and a peer the driver dropped (``retry=False``) gets
+    nothing more."""
+    _admit(engine)
+    _admit(engine, "r2")
+    engine.validated("r1", 0.0)
+    engine.validated("r2", 0.0)
+    (r1,) = engine.cancel("r1", 0.0).releases
+    (r2,) = engine.cancel("r2", 0.0).releases
+    engine.release_unsent(*r1, 0.0)
+    assert engine.release_unsent(*r2, 0.0, retry=False) is True
+    sent = []
+    t = 0.0
+    while t < 2 * TIMING.lease_s:
+        t += 0.1
+        for peer, release in engine.poll(t).releases:
+            sent.append(t)
+            assert (peer, release) == r1
+            engine.release_unsent(peer, release, t)
+    quarter = TIMING.heartbeat_interval_s / 4
+    gaps = [b - a for a, b in zip([0.0, *sent], sent, strict=False)]
+    assert all(quarter - 1e-9 <= g <= quarter + 0.1 + 1e-9 for g in gaps), gaps  # per poll
+    assert TIMING.lease_s - quarter - 0.1 <= max(sent) < TIMING.lease_s  # for a lease
+
+
+def test_a_release_of_a_request_forgotten_or_admitted_again_is_never_retried(engine):
+    """A driver that reports a failed send of a release this engine no longer acts for
+    (the request forgotten and its id admitted again) gets nothing planned: the old
+    release, with the old token, would reach P for the new request."""
+    _admit(engine)
+    engine.validated("r1", 0.0)
+    (old,) = engine.cancel("r1", 0.0).releases
+    assert engine.forget(3 * TIMING.lease_s) == ["r1"]
+    _admit(engine, t=3 * TIMING.lease_s, token="tok-2")
+    now = 3 * TIMING.lease_s + 0.1
+    engine.release_unsent(*old, now)
+    t = now
+    while t < now + 2.0:
+        t += 0.1
+        assert engine.poll(t).releases == []
+    assert _state(engine) is DState.ADMITTED  # the new request, untouched

@@ -263,6 +263,21 @@ def test_lost_heartbeats_within_the_tolerance_never_let_a_lease_expire_under_a_r
     assert world.net.stats.notifs_dropped > 0
 
 
+def test_a_refused_send_goes_again_so_leases_hold_and_p_frees_on_the_release():
+    """NIXL's send_notif can raise and send nothing (an endpoint error), the peer still
+    alive.  D's driver reports it to the engine (`ConsumerEngine.release_unsent`), as the
+    connector's worker does: the heartbeat goes at the next poll, the release again a
+    quarter period later.  So no lease expires, under a READ or after its release."""
+    refused = 0
+    for seed in range(20):
+        world = World(build("notification_sends_refused", seed))
+        result = world.run()
+        assert not result.violations, (seed, result.violations)
+        assert result.metrics["lease_expiries"] == 0, (seed, result.metrics)
+        refused += world.net.stats.notifs_refused
+    assert refused > 100  # the faults fired: heartbeats, releases and acknowledgements
+
+
 def test_duplicate_releases_are_ignored_and_counted_never_freed_twice():
     summary = sweep(["duplicate_release_notification"], range(10), "kvhandoff")
     assert summary.totals["ignored_notifications"] > 0
@@ -497,3 +512,43 @@ def test_head_group_reads_are_checked_byte_for_byte():
             total += World(cfg).run().metrics["served_corrupt"]
         served_corrupt[policy] = total
     assert served_corrupt["kvhandoff"] == 0 < served_corrupt["vllm-0.32"]
+
+
+class _FinalizedInAChild:
+    """Garbage whose finalizer marks ``path`` if it runs in a process other than its
+    creator's (as a NIXL agent's would abort there: its threads are not in a fork)."""
+
+    def __init__(self, path) -> None:
+        self.pid, self.path, self.me = os.getpid(), path, self  # a cycle: the GC's to free
+
+    def __del__(self) -> None:
+        if os.getpid() != self.pid:
+            self.path.write_text(str(os.getpid()))
+
+
+def test_a_sweep_s_workers_never_finalize_what_they_inherit(tmp_path, monkeypatch):
+    """A sweep forks its workers (``jobs`` > 1) from a process that may hold garbage
+    nothing collected yet (the worker-pair tests' dropped NIXL agents): a worker whose
+    collection finalized it aborted, and the sweep hung.  Here each worker collects
+    before each run."""
+    import gc
+
+    from kvhandoff.simulations import runner
+
+    marker = tmp_path / "finalized-in-a-worker"
+    real = runner.run_one
+
+    def collecting(*args):
+        gc.collect()
+        return real(*args)
+
+    monkeypatch.setattr(runner, "run_one", collecting)  # the forks inherit it
+    gc.disable()  # nothing collects the garbage below in this process before the fork
+    try:
+        _FinalizedInAChild(marker)
+        summary = sweep(["swarm"], range(6), "kvhandoff", jobs=2)
+    finally:
+        gc.enable()
+        gc.collect()  # here, in its own process: harmless
+    assert summary.runs == 6 and summary.violations == []
+    assert not marker.exists(), "a worker finalized garbage of the parent"

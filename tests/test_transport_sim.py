@@ -25,6 +25,7 @@ from kvhandoff.transports.sim import (
     LinkModel,
     NotifFaults,
     ReadFaults,
+    SendRefused,
     SimBlockPool,
     SimNetwork,
 )
@@ -155,6 +156,31 @@ def test_a_cap_on_consecutive_drops_is_honoured():
     for i in range(300):
         missing_run = 0 if i in got else missing_run + 1
         assert missing_run <= 2
+
+
+def test_a_refused_send_raises_sends_nothing_and_a_read_s_own_notification_is_never_refused():
+    """NIXL's send_notif can raise (an endpoint error): the sender knows nothing went,
+    unlike a drop; the in-a-row cap holds for refusals too.  A READ's notification
+    travels with the READ: no send_notif, nothing to refuse."""
+    net, p, d, _, _ = connected()
+    net.set_notif_faults(NotifFaults(refuse=0.9, max_consecutive_drops=2))
+    refused, run = [], 0
+    for i in range(300):
+        try:
+            d.send_notif("P0", f"m{i}".encode())
+            run = 0
+        except SendRefused:
+            refused.append(i)
+            run += 1
+            assert run <= 2
+    drain(net)
+    got = {int(m.message[1:]) for m in p.recv_notifs()}
+    assert got == set(range(300)) - set(refused) and len(refused) == net.stats.notifs_refused
+    assert len(refused) > 150 and net.stats.notifs_dropped == 0
+    net.set_notif_faults(NotifFaults(refuse=1.0))
+    d.post_read("P0", ReadRequest(runs=(BlockRun(0, 0, 1),)), b"done")
+    drain(net)
+    assert [m.message for m in p.recv_notifs()] == [b"done"]
 
 
 def test_duplicated_notifications_arrive_twice():

@@ -66,7 +66,8 @@ from kvhandoff.transports.base import (
 
 __all__ = [
     "POISON", "AgentCrashed", "InvalidRead", "LinkModel", "NetworkStats", "NotifFaults",
-    "ReadFaults", "SimBlockPool", "SimClock", "SimNetwork", "SimTransport", "sub_seed",
+    "ReadFaults", "SendRefused", "SimBlockPool", "SimClock", "SimNetwork", "SimTransport",
+    "sub_seed",
 ]
 
 POISON = 0xDB  # the byte a freed block is filled with ("dead block")
@@ -74,6 +75,11 @@ POISON = 0xDB  # the byte a freed block is filled with ("dead block")
 
 class AgentCrashed(TransportError):
     """A call on an agent that crashed or was closed."""
+
+
+class SendRefused(TransportError):
+    """``send_notif`` failed and sent nothing, as NIXL's raises on an endpoint error: the
+    peer is not lost, a later send may go (`NotifFaults.refuse`)."""
 
 
 def sub_seed(seed: int, name: str) -> int:
@@ -167,15 +173,16 @@ class NotifFaults:
     """What can happen to a notification on its way.  Rates are probabilities."""
 
     drop: float = 0.0
+    refuse: float = 0.0  # the sender's send_notif raises `SendRefused`: it knows, unlike a drop
     duplicate: float = 0.0
     delay: float = 0.0  # probability of an extra delay of up to ``delay_s``
     delay_s: float = 0.0
     reorder: float = 0.0  # probability of an extra jitter of up to ``reorder_s`` (overtaking)
     reorder_s: float = 0.005
-    max_consecutive_drops: int | None = None  # per (src, dst) link; None: unbounded
+    max_consecutive_drops: int | None = None  # per (src, dst) link, refusals too; None: unbounded
 
     def any(self) -> bool:
-        return bool(self.drop or self.duplicate or self.delay or self.reorder)
+        return bool(self.drop or self.refuse or self.duplicate or self.delay or self.reorder)
 
 
 @dataclass(slots=True)
@@ -196,6 +203,7 @@ class NetworkStats:
     notifs_sent: int = 0
     notifs_delivered: int = 0
     notifs_dropped: int = 0
+    notifs_refused: int = 0
     notifs_duplicated: int = 0
     notifs_delayed: int = 0
     freed_under_read: int = 0  # frees of source blocks that a READ in flight was reading
@@ -433,7 +441,7 @@ class SimNetwork:
         dst._completions.append(Completion(read.handle, True))
         self._wake(read.dst)
         if read.notif is not None:
-            self._send(read.dst, read.src, read.notif)
+            self._send(read.dst, read.src, read.notif, refusable=False)
 
     def _complete_failed(self, read: _Read, reason: str) -> None:
         if read.dst in self._dead:
@@ -444,7 +452,9 @@ class SimNetwork:
 
     # -- notifications ----------------------------------------------------
 
-    def _send(self, src: str, dst: str, message: bytes) -> None:
+    def _send(self, src: str, dst: str, message: bytes, refusable: bool = True) -> None:
+        """Put ``message`` on the fabric with its kind's faults.  ``refusable``: a
+        ``send_notif`` (a READ's own notification travels with the READ: never refused)."""
         self.stats.notifs_sent += 1
         link, rng = self.link, self.rng
         kind = self.kind_of(message) if self.kind_of is not None and self.notif_faults else None
@@ -452,12 +462,16 @@ class SimNetwork:
         delay = link.notif_latency_s + rng.random() * link.jitter_s
         copies = 1
         if faults is not None and faults.any():
-            if faults.drop and rng.random() < faults.drop:
+            refused = refusable and faults.refuse and rng.random() < faults.refuse
+            if refused or (faults.drop and rng.random() < faults.drop):
                 key = (src, dst, kind)
                 streak = self._drop_streak.get(key, 0)
                 cap = faults.max_consecutive_drops
                 if cap is None or streak < cap:
                     self._drop_streak[key] = streak + 1
+                    if refused:
+                        self.stats.notifs_refused += 1
+                        raise SendRefused(f"{src} -> {dst}: send refused")
                     self.stats.notifs_dropped += 1
                     return
             self._drop_streak.pop((src, dst, kind), None)

@@ -27,7 +27,11 @@ import structlog
 
 from kvhandoff.adapters.vllm import stats as kstats
 from kvhandoff.adapters.vllm.metadata import Admit, Failure, StepPlan
-from kvhandoff.adapters.vllm.params import MalformedTransferParams, RemotePrefill
+from kvhandoff.adapters.vllm.params import (
+    UNCANCELLED_HOLD_S,
+    MalformedTransferParams,
+    RemotePrefill,
+)
 from kvhandoff.adapters.vllm.side_channel import HandshakeFailed, PeerIncompatible, handshake
 from kvhandoff.adapters.vllm.trust import UntrustedProducer
 from kvhandoff.core import messages
@@ -51,7 +55,6 @@ REFUSE_S = 10.0  # a P address whose handshake failed is not tried again for thi
 # at most this many handshakes run at once, and this many failed addresses are remembered.
 MAX_HANDSHAKES = 256
 MAX_REFUSED = 1024
-UNCANCELLED_HOLD_S = 60.0  # a READ held until its client cancels, when none does
 
 _VERDICT_CLASS = {Verdict.UNSAFE: "unsafe", Verdict.PENDING: "unproven", Verdict.FAILED: "failed"}
 
@@ -457,13 +460,13 @@ class ConsumerHalf:
 
     # ---- the engine's effects ----------------------------------------------
 
-    def _send(self, peer: str, msg: messages.Message, what: str) -> bool:
+    def _send(self, peer: str, msg: messages.Message) -> Exception | None:
+        """Send ``msg`` to ``peer``; what failed, if it did (the engine plans it again)."""
         try:
             self.transport.send_notif(peer, messages.encode(msg))
-            return True
-        except Exception as exc:  # P gone: its lease lapses on its own; a heartbeat is retried
-            log.warning(f"vllm.worker.{what}_failed", producer_agent=peer, error=str(exc))
-            return False
+            return None
+        except Exception as exc:
+            return exc
 
     def _post_fence(self, rid: str, peer: str, slot: int, planned: float, now: float) -> None:
         """Post the fence READ the engine planned; one that cannot be posted proves nothing
@@ -489,11 +492,18 @@ class ConsumerHalf:
         for rid, peer, _rank, slot, planned in step.fences:
             self._post_fence(rid, peer, slot, planned, now)
         for peer, hb, urgent in step.heartbeats:
-            if self._send(peer, hb, "heartbeat"):
+            exc = self._send(peer, hb)
+            if exc is None:
                 self.consumer.heartbeat_sent(peer, hb, now, urgent)
+            else:  # not recorded: planned again next poll
+                log.warning("vllm.worker.heartbeat_failed", producer_agent=peer, error=str(exc))
         for peer, release in step.releases:
-            if not self._send(peer, release, "release"):  # tried again each step, for a lease
-                self._unsent_releases.append((peer, release, now + self.cfg.lease_s))
+            exc = self._send(peer, release)
+            # UnknownPeer: P was dropped as lost, nobody to tell (its lease lapses)
+            if exc is not None and self.consumer.release_unsent(
+                    peer, release, now, retry=not isinstance(exc, UnknownPeer)):
+                log.warning("vllm.worker.release_failed", producer_agent=peer,
+                            request_id=release.request_id, error=str(exc))
         for rid in step.timed_out:
             rec = self._rec(rid)
             log.warning("vllm.worker.read_timeout", request_id=rid,
@@ -670,20 +680,4 @@ class ConsumerHalf:
             self._report_failed.add(local_id)
             self._fail_now.pop(0)
             self._forget(local_id)
-        self._resend_releases(now)  # those that failed in an earlier step
         self._carry_out(self.consumer.poll(now), now)
-
-    def _resend_releases(self, now: float) -> None:
-        """A release whose send failed is sent again each step until it goes, or until P
-        has freed by lease anyway: without it P held the blocks a whole lease (the engine
-        sends a release once; a lost one is what P's lease is for)."""
-        unsent, self._unsent_releases = self._unsent_releases, []
-        for peer, release, until in unsent:
-            if now >= until:
-                continue
-            try:  # quietly: `_send` logged the first failure
-                self.transport.send_notif(peer, messages.encode(release))
-            except UnknownPeer:  # P dropped as lost: nobody to tell
-                pass
-            except Exception:
-                self._unsent_releases.append((peer, release, until))

@@ -24,6 +24,7 @@ PROTOCOL = "kvhandoff/1"
 DEBUG_DELAY_KEY = "kvhandoff_debug_read_delay_s"
 # With it, the delay runs from the client's cancel, not the READ's post (`IncomingHandoff.due`).
 DEBUG_HOLD_KEY = "kvhandoff_debug_hold_read_until_cancelled"
+UNCANCELLED_HOLD_S = 60.0  # a READ held until its client cancels, when none does
 FENCE_SLOT_KEY = "kvhandoff_fence_slot"  # absent: the export has no fence
 
 

@@ -148,7 +148,6 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self.fence_reader: FenceReader | None = None  # D: its fence READs, once registered
         self._fence_landed: list[tuple[str, int | None, float]] = []  # for the engine
         self._d_received: list[tuple[str, messages.Message]] = []  # D: notifications, for it
-        self._unsent_releases: list[tuple[str, messages.Message, float]] = []  # (peer, it, until)
         log.info("vllm.worker.started", engine=engine_id, side=side.value, rank=rank,
                  event_log=self.log_path)
 
