@@ -9,7 +9,8 @@ lines for the next flush.  Reading (`read_log`, `read_logs`) checks every line: 
 JSON, an unknown event type, a field of the wrong type, a sequence gap or
 repeat within a stream raise `LogCorrupt` naming the file and line.  A torn
 last line (a crash mid-write: no final newline and not parseable) is dropped
-with a warning and the events before it are kept.
+with a warning and the events before it are kept; a live log is read up to where
+it ended then (what its writer adds meanwhile is for the next read).
 
 Decoding is typed (msgspec): each line is decoded in C straight into a wire
 struct of its event type, which checks every field's JSON type on the way,
@@ -98,7 +99,17 @@ class LogWriter:
         self.path = os.fspath(path)
         self.buffer_bytes, self.max_pending_bytes = buffer_bytes, max_pending_bytes
         self.dropped = 0  # lines dropped while max_pending_bytes waited unwritten
-        self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - owned
+        # Never through a link planted at the path, and a new log readable by its owner
+        # alone, whatever the umask or the directory: the log holds release tokens.
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise OSError(errno.ELOOP, "event log: the path is a symbolic link, not followed "
+                          "(the log holds release tokens)", self.path) from None
+        self._file = os.fdopen(fd, "ab", buffering=0)
         self._pending: list[bytes] = []  # in order; the first may be a line's unwritten rest
         self._pending_bytes = 0
         self._failing = False  # the last write failed: recording leaves it to flush
@@ -338,6 +349,9 @@ class _Reader:
                     except LogCorrupt as e:
                         log.warning("eventlog.torn_last_line", path=path, line=lineno + 1,
                                     reason=e.reason, kept_events=lineno)
+                    # The file ended there when it was read: a live log's writer may add
+                    # the rest of that line since, which is not a line of its own.
+                    return
 
     def _decode_chunk(self, lines: list[bytes], path: str, lineno: int) -> list[Event]:
         # Events are acyclic; pausing the cyclic GC while a million of them

@@ -10,7 +10,7 @@ from structlog.testing import capture_logs
 from kvhandoff.core.errors import LogCorrupt
 from kvhandoff.core.events import HeartbeatReceived
 from kvhandoff.core.lifecycle import DState, PState, fold
-from kvhandoff.core.log import LogWriter, encode_event, read_log, read_logs, write_log
+from kvhandoff.core.log import LogWriter, encode_event, iter_log, read_log, read_logs, write_log
 from kvhandoff.core.replay import state_hash
 
 
@@ -168,6 +168,63 @@ def test_torn_last_line_is_dropped_with_a_warning_and_keeps_the_rest(tmp_path):
     assert read == written[:-1]
     assert logs[0]["event"] == "eventlog.torn_last_line" and logs[0]["log_level"] == "warning"
     assert logs[0]["line"] == len(written)
+
+
+def test_a_live_log_read_while_its_last_line_is_written_ends_at_the_torn_line(tmp_path):
+    """The writer adds the rest of the torn line while the reader is still
+    going: the reader stops where the file ended when it read it, never taking the rest
+    of that line for a line of its own (a `LogCorrupt` of a healthy live log, seen in
+    CI while a serve-route test polled P's log)."""
+    path, written, _ = _log_of(tmp_path, PState.FREED)
+    data = path.read_bytes()
+    path.write_bytes(data[:-25])  # the last event half written
+    with capture_logs() as logs:
+        events = iter_log(path)
+        first = next(events)  # the file read up to its torn end
+        with open(path, "ab") as f:
+            f.write(data[-25:])  # the writer finishes the line
+        read = [first, *events]
+    assert read == written[:-1]
+    assert [entry["event"] for entry in logs] == ["eventlog.torn_last_line"]
+    assert read_log(path) == written  # read again: the whole line is there
+
+
+def test_the_writer_never_follows_a_link_planted_at_the_log_s_path(tmp_path):
+    """A log directory others can write to (an operator's ``log_dir``): a symbolic link
+    at the log's path is refused, naming it, and its target is left as it was."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"untouched\n")
+    link = tmp_path / "prefill-0.P0.jsonl"
+    link.symlink_to(victim)
+    with pytest.raises(OSError, match="symbolic link, not followed") as caught:
+        LogWriter(link)
+    assert str(link) in str(caught.value)
+    assert victim.read_bytes() == b"untouched\n"
+    with LogWriter(tmp_path / "real.jsonl") as writer:  # a plain path: created, appended
+        writer.flush()
+    assert (tmp_path / "real.jsonl").exists()
+
+
+def test_a_new_log_is_readable_by_its_owner_alone_whatever_the_umask(tmp_path):
+    """An operator's ``log_dir`` may be readable by others, and the umask permissive:
+    the log holds release tokens, so a new one is made 0600 (an existing one keeps its
+    mode: the operator chose it)."""
+    import os
+    import stat
+
+    old = os.umask(0)
+    try:
+        with LogWriter(tmp_path / "prefill-0.P0.jsonl") as writer:
+            writer.flush()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "prefill-0.P0.jsonl").stat().st_mode) == 0o600
+    kept = tmp_path / "decode-0.D0.jsonl"
+    kept.touch(mode=0o640)
+    kept.chmod(0o640)
+    with LogWriter(kept) as writer:
+        writer.flush()
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o640
 
 
 def _corrupt(tmp_path, mutate):
