@@ -124,14 +124,17 @@ def pytest_runtest_teardown(item, nextitem):
         _SHARED_ENGINES.pop(name).stop()
 
 
+SERVE_API_KEY = "kvhandoff-test-key"  # the shared route's engines run with --api-key
+
+
 @pytest.fixture(scope="session")
 def serve_route(tmp_path_factory):
     """``vllm serve`` P and D behind the example router, and a plain reference engine, of
-    the tiny Llama (test_vllm_serve's `Route`), for every module marked
-    ``engines("serve_route")``: engine start dominates their cost."""
+    the tiny Llama (test_vllm_serve's `Route`), all three with ``--api-key``, for every
+    module marked ``engines("serve_route")``: engine start dominates their cost."""
     from test_vllm_serve import Route
 
-    route = Route(tmp_path_factory.mktemp("serve"))
+    route = Route(tmp_path_factory.mktemp("serve"), api_key=SERVE_API_KEY)
     _SHARED_ENGINES["serve_route"] = route
     try:
         route.start()

@@ -19,13 +19,13 @@ pytest.importorskip("nixl")
 httpx = pytest.importorskip("httpx")
 
 from test_vllm_serve import (  # noqa: E402
-    SLOW_READ_S,
     Route,
     _replay_check,
-    _request_then_disconnect,
     assert_freed_once,
+    assert_p_outlived_the_reads,
     assert_serves,
     body,
+    cancel_during_read,
     events,
     kinds,
     prefill,
@@ -35,8 +35,6 @@ from test_vllm_serve import (  # noqa: E402
     through_router,
     wait_event,
 )
-
-from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY, DEBUG_HOLD_KEY  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -72,18 +70,7 @@ def test_hand_offs_through_the_router_match_a_plain_engine(route, stream):
 
 
 def test_a_client_gone_during_the_reads_never_lets_p_free_under_them(route):
-    prompt = text_prompt(600, 120)
-    params = prefill(route, prompt)
-    rid = params["remote_request_id"]
-    slow = {**params, DEBUG_DELAY_KEY: SLOW_READ_S, DEBUG_HOLD_KEY: True}
-    _request_then_disconnect(route, prompt, slow, True,
-                             lambda: wait_event(route.d_log, rid, "reads_posted"))
-    d_evs = wait_event(route.d_log, rid, "release_sent", SLOW_READ_S + 20)
-    k = kinds(d_evs)
-    assert k.index("reads_posted") < k.index("client_cancelled") < k.index("split_completed")
-    last_read = max(e.t for e in d_evs if e.kind == "split_completed")
-    p_evs = assert_freed_once(route, rid, released=True)
-    assert next(e.t for e in p_evs if e.kind == "freed") >= last_read
+    assert_p_outlived_the_reads(route, *cancel_during_read(route, 600, True))
     assert_serves(route, 610)
 
 
@@ -101,7 +88,7 @@ def test_params_that_do_not_fit_the_groups_fail_that_request_only(route, case):
     else:
         ids[-1][-1] = 1 << 30  # beyond P's pool
     seen = len(serve_log(route.d))
-    r = httpx.post(f"{route.d.url}/v1/completions", timeout=120,
+    r = httpx.post(f"{route.d.url}/v1/completions", timeout=120, headers=route.headers,
                    json=body(route, prompt, kv_transfer_params={**params, "remote_block_ids": ids}))
     assert r.status_code >= 400, r.text[:300]
     wait_for(lambda: any("remote_block_ids" in line for line in

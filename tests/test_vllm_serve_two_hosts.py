@@ -29,7 +29,6 @@ httpx = pytest.importorskip("httpx")
 import test_vllm_serve as one_host  # noqa: E402
 import two_hosts as th  # noqa: E402
 from test_vllm_serve import (  # noqa: E402
-    SLOW_READ_S,
     assert_freed_once,
     assert_serves,
     decode,
@@ -40,12 +39,10 @@ from test_vllm_serve import (  # noqa: E402
     serve_log,
     text_prompt,
     through_router,
-    wait_event,
 )
 from two_hosts import D_HOST, P_HOST, STRANGER  # noqa: E402
 
 from kvhandoff.adapters.vllm.cluster import free_port  # noqa: E402
-from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY, DEBUG_HOLD_KEY  # noqa: E402
 from kvhandoff.adapters.vllm.serve import ServeProcess, ServeSpec  # noqa: E402
 from kvhandoff.adapters.vllm.tiny_model import write_tiny_model  # noqa: E402
 
@@ -61,7 +58,7 @@ class TwoHostRoute:
         self.log_dir = workdir / "events"
         self.side_port = free_port(P_HOST)
         common = {"lease_s": one_host.LEASE_S, "heartbeat_interval_s": 1.0,
-                  "lease_margin_s": 0.5, "read_timeout_s": 30.0, "handshake_timeout_s": 10.0,
+                  "lease_margin_s": 0.5, "read_timeout_s": one_host.READ_TIMEOUT_S, "handshake_timeout_s": 10.0,
                   "log_dir": str(self.log_dir)}
         env = {**th.UCX_ENV, **th.EVIDENCE_ENV}
         # P alone on core 0, D on core 1 (as the one-host route pins them).
@@ -77,6 +74,7 @@ class TwoHostRoute:
         self.d_log = self.log_dir / "serve-D.D0.jsonl"
         self.router_url = ""
         self._router = None
+        self.headers: dict[str, str] = {}  # no --api-key here (test_vllm_serve's route has one)
 
     def start(self) -> None:
         for e in (self.p, self.d):
@@ -123,19 +121,9 @@ def test_hand_offs_between_two_hosts_match_p_decoding_alone(route, stream):
 
 
 def test_a_cancel_during_a_read_between_two_hosts_keeps_p_s_lease(route):
-    prompt = text_prompt(1200, 120)
-    params = prefill(route, prompt)
-    rid = params["remote_request_id"]
-    slow = {**params, DEBUG_DELAY_KEY: SLOW_READ_S, DEBUG_HOLD_KEY: True}
-    one_host._request_then_disconnect(route, prompt, slow, False,
-                                      lambda: wait_event(route.d_log, rid, "reads_posted"))
-    d_evs = wait_event(route.d_log, rid, "release_sent", SLOW_READ_S + 20)
-    k = kinds(d_evs)
-    assert k.index("reads_posted") < k.index("client_cancelled") < k.index("split_completed")
-    p_evs = assert_freed_once(route, rid, released=True)
+    p_evs = one_host.assert_p_outlived_the_reads(
+        route, *one_host.cancel_during_read(route, 1200, False))
     assert "lease_expired" not in kinds(p_evs)
-    assert next(e.t for e in p_evs if e.kind == "freed") >= next(
-        e.t for e in d_evs if e.kind == "split_completed")
     assert_serves(route, 1201)
 
 

@@ -37,7 +37,7 @@ import threading
 import uuid
 
 import pytest
-from conftest import wait_for
+from conftest import SERVE_API_KEY, wait_for
 from trace_format import check_trace
 
 pytest.importorskip("vllm")
@@ -120,10 +120,14 @@ def proxy(route):
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning"))
-    threading.Thread(target=server.run, daemon=True, name="toy-proxy").start()
-    wait_for(lambda: server.started, 30, "the toy proxy to start")
-    yield f"http://127.0.0.1:{port}", app
-    server.should_exit = True
+    with pytest.MonkeyPatch.context() as env:
+        # The toy proxy sends ``Authorization: Bearer $OPENAI_API_KEY`` to P and D, as
+        # vLLM's does: the shared route's engines run with --api-key.
+        env.setenv("OPENAI_API_KEY", SERVE_API_KEY)
+        threading.Thread(target=server.run, daemon=True, name="toy-proxy").start()
+        wait_for(lambda: server.started, 30, "the toy proxy to start")
+        yield f"http://127.0.0.1:{port}", app
+        server.should_exit = True
 
 
 def _client_body(route: Route, prompt: str, stream: bool) -> dict:
