@@ -177,6 +177,7 @@ def test_a_refused_send_raises_sends_nothing_and_a_read_s_own_notification_is_ne
     got = {int(m.message[1:]) for m in p.recv_notifs()}
     assert got == set(range(300)) - set(refused) and len(refused) == net.stats.notifs_refused
     assert len(refused) > 150 and net.stats.notifs_dropped == 0
+    assert net.stats.notifs_sent == 300 - len(refused)  # a refused send was never sent
     net.set_notif_faults(NotifFaults(refuse=1.0))
     d.post_read("P0", ReadRequest(runs=(BlockRun(0, 0, 1),)), b"done")
     drain(net)

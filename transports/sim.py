@@ -200,7 +200,7 @@ class NetworkStats:
     reads_completed: int = 0
     reads_failed: int = 0
     bytes_read: int = 0
-    notifs_sent: int = 0
+    notifs_sent: int = 0  # put on the fabric (a refused send is not: notifs_refused)
     notifs_delivered: int = 0
     notifs_dropped: int = 0
     notifs_refused: int = 0
@@ -454,8 +454,9 @@ class SimNetwork:
 
     def _send(self, src: str, dst: str, message: bytes, refusable: bool = True) -> None:
         """Put ``message`` on the fabric with its kind's faults.  ``refusable``: a
-        ``send_notif`` (a READ's own notification travels with the READ: never refused)."""
-        self.stats.notifs_sent += 1
+        ``send_notif`` (a READ's own notification travels with the READ: never refused).
+        A refused send raises `SendRefused`, counted in ``notifs_refused`` only: nothing
+        was sent."""
         link, rng = self.link, self.rng
         kind = self.kind_of(message) if self.kind_of is not None and self.notif_faults else None
         faults = self.notif_faults.get(kind) or self.notif_faults.get(None)
@@ -472,6 +473,7 @@ class SimNetwork:
                     if refused:
                         self.stats.notifs_refused += 1
                         raise SendRefused(f"{src} -> {dst}: send refused")
+                    self.stats.notifs_sent += 1
                     self.stats.notifs_dropped += 1
                     return
             self._drop_streak.pop((src, dst, kind), None)
@@ -483,6 +485,7 @@ class SimNetwork:
             if faults.duplicate and rng.random() < faults.duplicate:
                 copies = 2
                 self.stats.notifs_duplicated += 1
+        self.stats.notifs_sent += 1
         now = self.clock.now
         for i in range(copies):
             extra = i * rng.random() * max(link.jitter_s, 1e-6) * 4
