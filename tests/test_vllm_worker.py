@@ -160,6 +160,24 @@ def test_bytes_arrive_and_p_frees_once_on_the_release(workers):
     assert proofs and proofs[0] < d_kinds.index("finished_recving")  # proven, then reported
 
 
+def test_the_read_goes_to_the_agent_the_request_was_admitted_with(workers):
+    """The READ goes to the P agent D admitted the request with, whatever link its address
+    has by the time the READ is posted (vLLM posts it when D's blocks are allocated, a
+    step or more later; a P restarted at the address meanwhile is another agent, which
+    does not hold the export: its memory must never be read for it)."""
+    import dataclasses
+
+    p, d, pc, dc, port = workers
+    _export(p, "r1a", 2, "tok-1a")
+    d.start_step(StepPlan(admits=[Admit("L1a", _params("r1a", port, (6, 7), "tok-1a"), "", 2 * BLOCK)]))
+    _pump(p, d, lambda *_: _d_state(d, "r1a") is DState.VALIDATED)  # handshake done
+    ((key, link),) = d._peers.items()
+    d._peers[key] = dataclasses.replace(link, agent="another-P-at-that-address")
+    d.start_step(StepPlan(reads=[Read("L1a", [[1, 2]])]))
+    sent, recved, failed = _pump(p, d, lambda s, r, f: "r1a" in s and "L1a" in r)
+    assert failed == set() and _same(pc, dc, (6, 7), (1, 2))
+
+
 def test_cancel_mid_read_keeps_heartbeating_until_the_read_drains(workers):
     p, d, pc, dc, port = workers
     _export(p, "r2", 2, "tok-2")

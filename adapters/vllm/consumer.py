@@ -418,7 +418,11 @@ class ConsumerHalf:
             self._carry_out(self.consumer.nothing_to_read(rid, now), now)
             self._forget(local_id)
             return
+        # The link at the address gives P rank's layout; the READ goes to the agent the
+        # request was admitted with (a P restarted at that address since is another agent:
+        # the post fails, as the request's heartbeats and proof would).
         peer = self._peers[self._dial_address(inc.remote)]
+        agent = self.consumer.peer_of(rid)
         inc.posted_at = now
         inc.hold_s = self.cfg.debug_read_delay_s
         if self.cfg.debug_read_delay_param:
@@ -440,7 +444,7 @@ class ConsumerHalf:
         inc.split_bytes = [r.nbytes for r in plan.reads]
         for split, read in enumerate(plan.reads):
             try:
-                handle = self.transport.post_split_read(peer.agent, group_splits([read]))
+                handle = self.transport.post_split_read(agent, group_splits([read]))
             except Exception as exc:
                 self.consumer.split_done(rid, split, now, ok=False, reason=f"post failed: {exc}")
                 continue
