@@ -8,8 +8,11 @@ test's temporary directory with ``.venv/bin`` first on ``PATH``; the one
 substitution is the reproduction's log directory, ``/tmp/kvh-repro``, moved
 into that directory.  Output blocks are checked line by line against what
 the commands print, so a doc whose sample drifted from the code fails here.
-(The operator guide's recipe, ``make demo`` and ``kvhandoff demo --http``
-run in tests/test_guide.py.)
+Template lines (``kvhandoff simulate ... --json``) run with ``...`` filled in, and
+one-line commands printed in the docs' prose (the picture's redraw, ``kvhandoff
+diagram``, ``tests/mutants.py --check``, the shim's install) run or are matched
+with what runs them.  (The operator guide's recipe, ``make demo`` and
+``kvhandoff demo --http`` run in tests/test_guide.py.)
 """
 
 from __future__ import annotations
@@ -87,6 +90,51 @@ def test_the_simulate_commands_run_as_printed(tmp_path):
             assert re.search(r"\d+ runs, \d+ requests in", done.stdout), (command, done.stdout)
 
 
+def templates(doc: Path, name: str) -> list[str]:
+    """The block's template lines (holding ``...``), comments left out."""
+    return [re.sub(r"\s+#.*$", "", line).strip() for line in block(doc, name) if "..." in line]
+
+
+def test_the_simulate_templates_do_what_their_comments_say(tmp_path):
+    """Each template line of the block, its ``...`` one scenario's three seeds under vLLM
+    0.32's policy (the runs break invariants, so each flag shows) and ``DIR`` a new
+    directory."""
+    lines = templates(SIMULATION, "simulate-commands")
+    flags = {line.split("...", 1)[1].split()[0]: line for line in lines}
+    assert set(flags) == {"--json", "--log-dir", "--replay", "--engine-logs"}, lines
+    runs = "--scenario cancel_during_read --seeds 0..2 --policy vllm-0.32"
+
+    def simulate(flag: str, more: str = "") -> subprocess.CompletedProcess:
+        command = flags[flag].replace("...", f"{runs} {more}".strip())
+        done = run(command.replace("DIR", str(tmp_path / "logs")), tmp_path)
+        assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
+        return done
+
+    summary = json.loads(simulate("--json").stdout)  # one JSON object
+    assert summary["runs"] == 3 and summary["freed_under_read"] > 0
+    assert not any(v["invariant"].startswith("replay:") for v in summary["violations"])
+    replayed = json.loads(simulate("--replay", "--json").stdout)  # the logs replayed too
+    assert any(v["invariant"].startswith("replay:") for v in replayed["violations"]), replayed
+    simulate("--log-dir")  # every run's P and D logs, which replay reads
+    for seed in range(3):
+        for side in "PD":
+            assert (tmp_path / "logs" / f"cancel_during_read.vllm-0.32.s{seed}.{side}.jsonl").stat().st_size
+    quiet, loud = run(f"kvhandoff simulate {runs}", tmp_path), simulate("--engine-logs")
+    assert "lease_expired" not in quiet.stderr and "lease_expired" in loud.stderr, loud.stderr[-500:]
+
+
+def test_the_gap_command_shows_vllm_0_32_freeing_under_reads(tmp_path):
+    (command,) = commands(SIMULATION, "simulate-gap")
+    done = run(command, tmp_path)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:])
+    table = done.stdout.split("\n\n", 1)[0].splitlines()[1:]  # the header, a row per scenario
+    rows = {line.split()[0]: line.split()[1:] for line in table}
+    column = rows["scenario"].index("freed_u_read")
+    assert int(rows["cancel_during_read"][column]) > 0  # the bug this project fixes
+    assert int(rows["steady_state"][column]) == 0  # no fault, no free under a read
+    assert re.search(r"\d+ runs, \d+ requests in", done.stdout)
+
+
 def test_a_violation_reproduces_as_the_docs_print_it(tmp_path):
     repro = tmp_path / "kvh-repro"
     (command,) = commands(SIMULATION, "repro-command")
@@ -145,3 +193,52 @@ def test_the_replay_commands_run_as_printed(two_logs, name):
             assert json.loads(done.stdout)["violations"] == []
         for out in re.findall(r"--(?:trace|svg) (\S+)", command):
             assert (two_logs / out).stat().st_size > 0, command
+
+
+# ---- one-line commands printed in the docs' prose -----------------------------------
+
+def printed(doc: Path, command: str) -> str:
+    """``command``, asserted to be printed in ``doc`` as it is run here: in backticks, or as
+    a line of an indented code block (a trailing ``# ...`` comment aside)."""
+    text = doc.read_text()
+    lines = {re.sub(r"\s+#.*$", "", line[4:]).strip()
+             for line in text.splitlines() if line.startswith("    ")}
+    assert f"`{command}`" in text or command in lines, f"{doc.name} no longer prints `{command}`"
+    return command
+
+
+def test_the_picture_redraw_command_draws_the_committed_picture(tmp_path):
+    """docs/lifecycle.md's redraw command, run in a directory of its own (it writes where
+    it is told): what it draws has the committed picture's labels and bars."""
+    from test_trace import _texts_and_bars
+
+    command = printed(ROOT / "docs" / "lifecycle.md",
+                      "python -m kvhandoff.adapters.pictures docs/img/cancel_during_read.svg")
+    (tmp_path / "docs" / "img").mkdir(parents=True)
+    done = run(command, tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    drawn = (tmp_path / "docs" / "img" / "cancel_during_read.svg").read_text()
+    committed = (ROOT / "docs" / "img" / "cancel_during_read.svg").read_text()
+    assert _texts_and_bars(drawn) == _texts_and_bars(committed)
+
+
+def test_the_diagram_command_prints_the_graphs_the_lifecycle_page_shows(tmp_path):
+    done = run(printed(ROOT / "docs" / "lifecycle.md", "kvhandoff diagram"), tmp_path)
+    assert done.returncode == 0 and done.stdout.strip(), done.stderr
+    assert done.stdout.strip() in (ROOT / "docs" / "lifecycle.md").read_text()
+
+
+def test_the_mutants_check_runs_as_printed(tmp_path):
+    """``python tests/mutants.py --check`` from the repository's root (``python``: the
+    project's, first on ``PATH``): every mutant still applies to the code it mutates."""
+    done = run(printed(ROOT / "docs" / "testing.md", "python tests/mutants.py --check"), ROOT)
+    assert done.returncode == 0 and re.search(r"^\d+ mutants apply$", done.stdout, re.M), (
+        done.stdout, done.stderr)
+
+
+def test_the_guide_installs_the_version_shim_as_make_setup_does():
+    """The operator guide's shim install is the one `make setup` runs (CI runs it)."""
+    guide = printed(ROOT / "docs" / "operator-guide.md",
+                    "pip install --no-deps --no-build-isolation adapters/vllm/dist_shim")
+    make = (ROOT / "Makefile").read_text()
+    assert guide.replace("pip install", "pip install -q").replace(" adapters/", " ./adapters/") in make

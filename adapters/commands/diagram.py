@@ -1,4 +1,4 @@
-"""`kvhandoff diagram [--markdown]`: the lifecycle as Mermaid, generated from the machine."""
+"""`kvhandoff diagram [--side P|D]`: the lifecycle as Mermaid, generated from the machine."""
 
 from __future__ import annotations
 
