@@ -48,12 +48,12 @@ REPLAY_CHECK = '.venv/bin/kvhandoff replay --check "$KVH_DIR/events"'
 pytestmark = pytest.mark.timeout(900)
 
 
-def recipe() -> str:
-    """The fenced bash block right after the marker, as printed."""
+def recipe(marker: str = MARKER) -> str:
+    """The fenced bash block right after ``marker``, as printed."""
     text = GUIDE.read_text()
-    assert text.count(MARKER) == 1, f"{GUIDE.name}: expected the marker {MARKER!r} once"
-    m = re.match(r"\s*```bash\n(.*?)\n```\n", text.split(MARKER, 1)[1], re.S)
-    assert m, f"{GUIDE.name}: no ```bash block right after {MARKER!r}"
+    assert text.count(marker) == 1, f"{GUIDE.name}: expected the marker {marker!r} once"
+    m = re.match(r"\s*```bash\n(.*?)\n```\n", text.split(marker, 1)[1], re.S)
+    assert m, f"{GUIDE.name}: no ```bash block right after {marker!r}"
     return m.group(1) + "\n"
 
 
@@ -158,8 +158,34 @@ def test_the_cpu_recipe_runs_as_printed(tmp_path):
         assert check.returncode == 0, check.stdout + check.stderr
         for both in (r"prefill-0/P0 +freed ", r"decode-0/D0 +finished_recving "):  # P's and D's
             assert re.search(both, check.stdout), check.stdout
+        replay_commands_run_on(kvh / "events", rid)
     finally:
         kill_group(proc.pid)
+
+
+def replay_commands_run_on(events: Path, rid: str) -> None:
+    """The guide's two blocks of replay commands (after its alerts, and under "Debugging a
+    hand-off"), run in the recipe's log directory, whose engines are the guide's
+    ``prefill-0`` and ``decode-0``, with its placeholders filled in: ``/var/log/kvhandoff``
+    that directory, ``ID`` and ``cmpl-7f3a-0`` the recipe's request, ``...`` its two logs."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+    for marker in ("<!-- test: replay-alert-commands -->", "<!-- test: replay-debug-commands -->"):
+        for line in recipe(marker).splitlines():
+            command = re.sub(r"\s+#.*$", "", line).strip()
+            assert command.startswith("kvhandoff replay "), command
+            command = (command.replace("/var/log/kvhandoff", str(events))
+                       .replace(" ID", f" {rid}").replace("cmpl-7f3a-0", rid)
+                       .replace("...", "prefill-0.P0.jsonl decode-0.D0.jsonl"))
+            done = subprocess.run(["bash", "-c", command], cwd=events, env=env,
+                                  capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
+            if "--request" in command:  # that request alone, both halves
+                assert f"request {rid}" in done.stdout and "prefill-0/P0" in done.stdout, done.stdout
+                assert "decode-0/D0" in done.stdout, done.stdout
+            if "--json" in command:
+                assert json.loads(done.stdout)["violations"] == []
+            if "--trace" in command:
+                assert json.loads((events / "t.json").read_text())["traceEvents"]
 
 
 # ---- make demo: the README's main job -------------------------------------------
@@ -286,6 +312,7 @@ def test_a_demo_summary_names_each_check_that_failed():
 
     clean = {"completed": 8, "through_router": 8, "failed": {}, "tokens_match": True,
              "mismatched": [], "cancelled": 3, "cancel_planned": 3, "cancel_events": {},
+             "cancel_missed": [{"rid": "r0", "events": [], "d_api_server_abort": False}],
              "rejected": 1, "malformed_status": 400, "engine_restarts": 0,
              "engine_processes_gone": [], "p_exports": 12, "p_frees": 12, "double_frees": 0,
              "replay_violations": 0}
@@ -295,6 +322,7 @@ def test_a_demo_summary_names_each_check_that_failed():
     found = http_demo_problems(clean | broken)
     assert len(found) == 3, found
     assert "2 of 3 cancels landed mid-read" in found[0] and "'r1': ['reads_posted']" in found[0]
+    assert "never reached D: [{'rid': 'r0'" in found[0]  # a missed attempt: no problem alone
     assert "python(7)" in found[1] and "exported 12 requests and freed 11" in found[2]
     assert demo_problems(clean | {"tokens_match": False, "mismatched": ["r4"]}) == [
         "tokens do not equal the reference (mismatched: ['r4'])"]

@@ -81,6 +81,8 @@ def _print_human(s: dict[str, Any], console: Any) -> None:
 
 
 def _print_http_human(s: dict[str, Any], console: Any) -> None:
+    from rich.markup import escape
+
     def yes(ok: bool) -> str:
         return "[green]yes[/]" if ok else "[red]NO[/]"
     console.print(f"\n[bold]kvhandoff demo --http[/] — tiny {s['model']}, `vllm serve` P (core 0) "
@@ -92,6 +94,10 @@ def _print_http_human(s: dict[str, Any], console: Any) -> None:
                   f"{s['rejected']} (HTTP {s['malformed_status']})")
     for i, r in s["failed"].items():
         console.print(f"    [red]request {i} failed[/]: {r}")
+    for m in s["cancel_missed"]:  # tried again with a new request
+        console.print(f"    [yellow]hang-up never reached D while its READ was held[/]: "
+                      f"{escape(m['rid'])} "
+                      f"(D's API server logged the abort: {m['d_api_server_abort']})")
     console.print(f"  text and token ids equal P's own greedy decode: {yes(s['tokens_match'])} "
                   f"({s['distinct_outputs']} distinct outputs; latency median "
                   f"{s['latency_ms_median']} ms)")
