@@ -1,10 +1,11 @@
-"""``kvhandoff bench vllm`` in short, as docs/benchmarks.md runs it (``--co-located``).
+"""``kvhandoff bench vllm`` in short, as docs/benchmarks.md runs it (``--co-located``) and
+in its default mode (isolated) on a hybrid model (``--model gemma3``, as the README names).
 
 Two requests per connector after one warm-up, both P/D pairs running all the
 time: both connectors answered, D's tokens equal the reference for both, every
 reported number is there, and the engines started NIXL's progress thread where
 the default says (P only; the engines' own ``vllm.transport`` log lines).
-About 30 s on 2 cores (four engine starts).
+About 30 s a mode on 2 cores (four engine starts).
 """
 
 from __future__ import annotations
@@ -25,21 +26,26 @@ pytestmark = pytest.mark.timeout(600)
 KVH, NIXL = "KVHandoffConnector", "NixlConnector (vLLM 0.32)"
 
 
-@pytest.fixture(scope="module")
-def result(tmp_path_factory):
+# The docs' two forms: co-located on the tiny Llama, and the default (isolated: the pair
+# not measured is stopped) on a hybrid model (`--model gemma3`, sliding-window groups).
+MODES = {"co-located": ["--co-located"], "isolated-gemma3": ["--model", "gemma3"]}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def result(request, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("bench-vllm")
     r = subprocess.run([sys.executable, "-m", "kvhandoff.adapters.cli", "bench", "vllm", "--json",
-                        "--co-located", "--requests", "2", "--warmup", "1",
+                        *MODES[request.param], "--requests", "2", "--warmup", "1",
                         "--idle-seconds", "0.5", "--workdir", str(workdir)],
                        capture_output=True, text=True, timeout=540, check=False)
     assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(r.stdout), workdir
+    return json.loads(r.stdout), workdir, request.param
 
 
 def test_both_connectors_hand_off_and_decode_the_reference_tokens(result):
-    out, _ = result
+    out, _, mode = result
     rows = {row["connector"]: row for row in out["rows"]}
-    assert set(rows) == {KVH, NIXL} and not out["isolated"]
+    assert set(rows) == {KVH, NIXL} and out["isolated"] == (mode != "co-located")
     for row in rows.values():
         assert row["requests"] == 2 and row["tokens_match"] is True, row
         for key in ("d_ttft_ms_median", "transfer_ms_median", "p_idle_cpu_percent",
@@ -51,7 +57,7 @@ def test_both_connectors_hand_off_and_decode_the_reference_tokens(result):
 
 
 def test_nixl_s_progress_thread_runs_on_p_only_by_default(result):
-    _, workdir = result
+    _, workdir, _ = result
     chosen = {}
     for side in ("P", "D"):
         text = (Path(workdir) / "kvhandoff" / f"{side}-kvhandoff.engine.log").read_text()
