@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -238,7 +239,12 @@ def test_the_http_demo_runs_as_the_docs_print_it(tmp_path):
     assert s["rejected"] == 1 and s["malformed_status"] >= 400, s
     assert s["malformed_rejected_in_d_log"] is True, s
     assert s["engine_restarts"] == 0, s
-    assert s["p_frees"] == s["p_exports"] == 12 and s["double_frees"] == 0, s
+    # A hang-up that never reached D was made again with a new request (one more export).
+    for missed in s["cancel_missed"]:
+        warnings.warn(f"kvhandoff demo --http: a hang-up never reached D while its READ was "
+                      f"held, tried again: {missed}", stacklevel=1)
+    assert s["p_frees"] == s["p_exports"] == 12 + len(s["cancel_missed"]), s
+    assert s["double_frees"] == 0, s
     assert s["replay_violations"] == 0 and s["violations"] == [], s
     assert Path(s["workdir"]).is_relative_to(tmp_path)
 
@@ -262,7 +268,12 @@ def test_the_hybrid_demos_run_as_the_guide_names_them(tmp_path, model):
     assert s["model"] == model and s["requests"] == 12, s
     assert s["completed"] == 8 and s["tokens_match"] is True and s["mismatched"] == [], s
     assert s["cancelled"] == 3 and s["rejected"] == 1, s
-    assert s["p_frees"] == s["p_exports"] == 12 and s["double_frees"] == 0, s
+    # A hang-up that never reached D was made again with a new request (one more export).
+    for missed in s["cancel_missed"]:
+        warnings.warn(f"kvhandoff demo --http: a hang-up never reached D while its READ was "
+                      f"held, tried again: {missed}", stacklevel=1)
+    assert s["p_frees"] == s["p_exports"] == 12 + len(s["cancel_missed"]), s
+    assert s["double_frees"] == 0, s
     assert s["replay_violations"] == 0 and s["lease_expiries"] == 0, s
     assert Path(s["workdir"]).is_relative_to(tmp_path)
     by_request: dict[str, list] = {}
