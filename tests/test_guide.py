@@ -247,6 +247,8 @@ def test_the_http_demo_runs_as_the_docs_print_it(tmp_path):
     assert s["double_frees"] == 0, s
     assert s["replay_violations"] == 0 and s["violations"] == [], s
     assert Path(s["workdir"]).is_relative_to(tmp_path)
+    # D logs its requests' parameters (--enable-log-requests): its server log is private.
+    assert all(os.stat(log).st_mode & 0o777 == 0o600 for log in s["serve_logs"]), s["serve_logs"]
 
 
 # ---- kvhandoff demo --model gemma3|mamba2 ----------------------------------------
@@ -268,12 +270,7 @@ def test_the_hybrid_demos_run_as_the_guide_names_them(tmp_path, model):
     assert s["model"] == model and s["requests"] == 12, s
     assert s["completed"] == 8 and s["tokens_match"] is True and s["mismatched"] == [], s
     assert s["cancelled"] == 3 and s["rejected"] == 1, s
-    # A hang-up that never reached D was made again with a new request (one more export).
-    for missed in s["cancel_missed"]:
-        warnings.warn(f"kvhandoff demo --http: a hang-up never reached D while its READ was "
-                      f"held, tried again: {missed}", stacklevel=1)
-    assert s["p_frees"] == s["p_exports"] == 12 + len(s["cancel_missed"]), s
-    assert s["double_frees"] == 0, s
+    assert s["p_frees"] == s["p_exports"] == 12 and s["double_frees"] == 0, s
     assert s["replay_violations"] == 0 and s["lease_expiries"] == 0, s
     assert Path(s["workdir"]).is_relative_to(tmp_path)
     by_request: dict[str, list] = {}

@@ -17,7 +17,7 @@ from conftest import wait_for
 from hybrid_layouts import gemma_layout, one_group_layout
 from structlog.testing import capture_logs
 
-from kvhandoff.adapters.vllm.cluster import free_port
+from kvhandoff.adapters.vllm.cluster import free_port, open_private_log
 from kvhandoff.adapters.vllm.config import (
     ConnectorConfigError,
     HandoffConfig,
@@ -40,6 +40,21 @@ from kvhandoff.adapters.vllm.side_channel import (
 )
 
 GOOD = RemotePrefill("P-1", "req-1", "127.0.0.1", 5600, 1, ((3, 4, 5),), 300, 30.0, token="t0k")
+
+
+def test_an_engine_s_output_log_is_its_owner_s_alone_whatever_the_umask(tmp_path):
+    """`vllm serve`'s and the engines' output (prompts; with --enable-log-requests the
+    transfer parameters, release tokens included) goes to a new file made 0600."""
+    old = os.umask(0)
+    try:
+        with open_private_log(tmp_path / "D.serve.log") as f:
+            f.write(b"one\n")
+        with open_private_log(tmp_path / "D.serve.log") as f:  # appends
+            f.write(b"two\n")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "D.serve.log").stat().st_mode) == 0o600
+    assert (tmp_path / "D.serve.log").read_bytes() == b"one\ntwo\n"
 
 
 def test_params_round_trip():

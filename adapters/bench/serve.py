@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from kvhandoff.adapters.bench.vllm import CONNECTORS, MODELS, _logs_to_stderr
-from kvhandoff.adapters.vllm.cluster import EngineFailed, free_port
+from kvhandoff.adapters.vllm.cluster import EngineFailed, free_port, open_private_log
 from kvhandoff.adapters.vllm.demo import _events, _wait, analyse_logs
 from kvhandoff.adapters.vllm.serve import ServeProcess, ServeSpec
 from kvhandoff.adapters.vllm.tiny_model import TINY_MODEL_KINDS, write_tiny_model
@@ -140,7 +140,7 @@ class _Route:
         self.d.wait_ready()
         port = free_port()
         self.router_url = f"http://127.0.0.1:{port}"
-        with open(self.workdir / "router.log", "ab") as logf:
+        with open_private_log(self.workdir / "router.log") as logf:
             self.router = subprocess.Popen(
                 [sys.executable, "-m", "kvhandoff.adapters.vllm.router", "--prefill", self.p.url,
                  "--decode", self.d.url, "--port", str(port)], stdout=logf,

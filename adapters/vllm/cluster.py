@@ -28,6 +28,13 @@ from kvhandoff.adapters.vllm.engine_proc import EngineSpec, engine_env
 log = structlog.get_logger(__name__)
 
 
+def open_private_log(path: Path):
+    """``path`` opened to append bytes, made owner-only (0600, whatever the umask) if new:
+    an engine's output holds prompts and, with vLLM's ``--enable-log-requests``, every
+    request's transfer parameters, release tokens included."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
+
+
 class EngineFailed(RuntimeError):
     """An engine process died or did not answer in time; names the log to read."""
 
@@ -95,7 +102,7 @@ class EngineHandle:
         self.replies: list[dict[str, Any]] = []
         self.pid: int | None = None
         self.event_logs: list[str] = []
-        logf = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
+        logf = open_private_log(self.log_path)  # the child owns it
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvhandoff.adapters.vllm.engine_proc", self.spec.to_json()],
             env=engine_env(self.spec),

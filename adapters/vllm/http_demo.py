@@ -54,6 +54,8 @@ WORDS = ("the rain in spain falls mainly on a plain while old ships sail north p
          "harbours and bright towers of glass hum with the songs of distant engines").split()
 HTTP_TIMEOUT_S = 300.0
 CANCEL_ATTEMPTS = 3  # per cancelled request: a hang-up vLLM's API server never reported
+# D's read timeout in the demo: longer than a READ is held for a hang-up that never comes.
+D_READ_TIMEOUT_S = UNCANCELLED_HOLD_S + 30
 
 
 def text_prompts(n: int, lo: int, hi: int, seed: int) -> list[str]:
@@ -143,7 +145,7 @@ class _Run:
         # must outlast that hold, or it fails the READ before the cancel lands.
         d = ServeProcess(ServeSpec("D", "decode", self.model, "demo-D", {
             **common, "debug_read_delay_param": True,
-            "read_timeout_s": UNCANCELLED_HOLD_S + 30,
+            "read_timeout_s": D_READ_TIMEOUT_S,
             "trusted_producers": [f"127.0.0.1:{side_port}"]}, cpus="1",
             # --enable-log-requests: D's log says when its API server aborted a request
             extra_args=(*serve_args, "--enable-log-requests")), self.workdir)
@@ -194,12 +196,19 @@ def _timeline(evs: list) -> list[tuple[str, float]]:
             if e.kind not in ("heartbeat_sent", "lease_acknowledged")]
 
 
-def _abort_logged(serve_log: Path, evs: list) -> bool:
-    """Whether D's API server logged the abort of the request (``--enable-log-requests``)."""
-    local = next((e.local_request_id for e in evs if e.kind == "admitted"), "")
-    text = serve_log.read_text(errors="replace") if serve_log.exists() else ""
-    ids = {local, local.rsplit("-", 1)[0]} - {""}  # vLLM's id, with or without its suffix
-    return any("aborted" in line and any(i in line for i in ids) for line in text.splitlines())
+def _landed_mid_read(kinds: list[str]) -> bool:
+    """D heard the client's cancel after posting the READ and before it completed."""
+    return ("reads_posted" in kinds and "client_cancelled" in kinds and "split_completed" in kinds
+            and kinds.index("reads_posted") < kinds.index("client_cancelled")
+            < kinds.index("split_completed"))
+
+
+def _abort_logged(serve_log: Path, local_id: str) -> bool:
+    """Whether D's API server logged its abort of D's request ``local_id`` (vLLM's
+    ``Request <id> aborted.`` under ``--enable-log-requests``; the id without the suffix
+    vLLM adds to a request's own)."""
+    text = serve_log.read_text(errors="replace") if serve_log.exists() and local_id else ""
+    return f"Request {local_id.rsplit('-', 1)[0]} aborted." in text
 
 
 def _median(xs: list[float]) -> float | None:
@@ -280,7 +289,7 @@ def run_http_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
             # closed: vLLM's API server aborts the request; D holds the READ until then
             return rid, _wait(lambda: (evs := _events(run.d_log, rid)) and any(
                 e.kind == "release_sent" for e in evs) and evs,
-                UNCANCELLED_HOLD_S + 30, f"D to release {rid}", 0.2)
+                D_READ_TIMEOUT_S + 30, f"D to release {rid}", 0.2)
 
         def cancelled_mid_read(i: int) -> dict[str, Any]:
             """A client gone while D's READ is in flight.  An attempt whose hang-up did not
@@ -290,10 +299,10 @@ def run_http_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
             missed = []
             for attempt in range(CANCEL_ATTEMPTS):
                 rid, evs = cancel_once(i, attempt)
-                if any(e.kind == "client_cancelled" for e in evs):
+                if _landed_mid_read([e.kind for e in evs]):
                     break
-                missed.append({"rid": rid, "events": _timeline(evs), "d_api_server_abort":
-                               _abort_logged(d.log_path, evs)})
+                missed.append({"rid": rid, "events": _timeline(evs), "local_id": next(
+                    (e.local_request_id for e in evs if e.kind == "admitted"), "")})
             return {"rid": rid, "missed": missed}
 
         def garbage(i: int) -> dict[str, Any]:
@@ -344,10 +353,7 @@ def run_http_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
     d_kinds = {i: [e.kind for e in _events(run.d_log, got[i]["rid"])] for i in cancel}
 
     def mid_read(i: int) -> bool:
-        k = d_kinds[i]
-        return ("reads_posted" in k and "client_cancelled" in k and "split_completed" in k
-                and k.index("reads_posted") < k.index("client_cancelled")
-                < k.index("split_completed"))
+        return _landed_mid_read(d_kinds[i])
     m = got[malformed]
     return {
         "model": opts.model,
@@ -365,7 +371,9 @@ def run_http_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
         "cancel_events": {got[i]["rid"]: _timeline(_events(run.d_log, got[i]["rid"]))
                           for i in sorted(cancel) if not mid_read(i)},
         # attempts whose hang-up never reached D while the READ was held (tried again)
-        "cancel_missed": [m for i in sorted(cancel) for m in got[i]["missed"]],
+        "cancel_missed": [{"rid": m["rid"], "events": m["events"], "d_api_server_abort":
+                           _abort_logged(d.log_path, m["local_id"])}
+                          for i in sorted(cancel) for m in got[i]["missed"]],
         "rejected": int(m["status"] >= 400),
         "malformed_status": m["status"],
         "malformed_rejected_in_d_log": any(e.kind == "rejected"

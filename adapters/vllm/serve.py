@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvhandoff.adapters.vllm.cluster import EngineFailed, free_port
+from kvhandoff.adapters.vllm.cluster import EngineFailed, free_port, open_private_log
 from kvhandoff.adapters.vllm.engine_proc import EngineSpec, engine_env
 
 
@@ -78,7 +78,7 @@ class ServeProcess:
         if spec.cpus:  # the worker pins itself there: keep P's and D's apart on small hosts
             env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpus
         env.update(spec.env)
-        with open(self.log_path, "ab") as logf:
+        with open_private_log(self.log_path) as logf:
             self.proc = subprocess.Popen(spec.argv(), env=env, stdout=logf,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          cwd=str(workdir), start_new_session=True)
