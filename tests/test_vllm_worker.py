@@ -178,6 +178,23 @@ def test_the_read_goes_to_the_agent_the_request_was_admitted_with(workers):
     assert failed == set() and _same(pc, dc, (6, 7), (1, 2))
 
 
+def test_a_read_whose_p_was_dropped_since_admission_fails_as_a_read_not_an_internal_error(workers):
+    """P's link was dropped (P lost) between the admission and the READ: the READ goes to the
+    agent it was admitted with, its post fails, and the request fails as a failed READ
+    (no error escapes into the worker's containment as an internal error)."""
+    p, d, pc, dc, port = workers
+    _export(p, "r1b", 2, "tok-1b")
+    d.start_step(StepPlan(admits=[Admit("L1b", _params("r1b", port, (6, 7), "tok-1b"), "", 2 * BLOCK)]))
+    _pump(p, d, lambda *_: _d_state(d, "r1b") is DState.VALIDATED)
+    ((_, link),) = d._peers.items()
+    d._peers.clear()  # as when D drops a P it found lost
+    d.transport.remove_peer(link.agent)
+    d.start_step(StepPlan(reads=[Read("L1b", [[1, 2]])]))
+    sent, recved, failed = _pump(p, d, lambda s, r, f: "L1b" in f)
+    assert d.total["rejected_internal_error"] == 0
+    assert "split_failed" in _kinds(d, "r1b") and not _same(pc, dc, (6, 7), (1, 2))
+
+
 def test_cancel_mid_read_keeps_heartbeating_until_the_read_drains(workers):
     p, d, pc, dc, port = workers
     _export(p, "r2", 2, "tok-2")

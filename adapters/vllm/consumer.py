@@ -134,6 +134,7 @@ class IncomingHandoff:
     parked: bool = False  # waiting for the handshake with its P
     pending_read: tuple[list[list[int]], bool] | None = None  # a read that came while parked
     cancelled_at: float | None = None  # when the client cancelled (None: it has not)
+    link: ProducerLink | None = None  # its P rank as admitted (layout; agent: `peer_of`)
 
     @property
     def cancelled(self) -> bool:
@@ -327,7 +328,7 @@ class ConsumerHalf:
             self._count("rejected")
             self._count("rejected_lifecycle")
             return
-        inc.admitted = True
+        inc.admitted, inc.link = True, peer
         self._by_remote[rid] = local_id
         if a.cleanup:
             return  # its cancel (same plan) sends P a notify-only release
@@ -418,11 +419,9 @@ class ConsumerHalf:
             self._carry_out(self.consumer.nothing_to_read(rid, now), now)
             self._forget(local_id)
             return
-        # The link at the address gives P rank's layout; the READ goes to the agent the
-        # request was admitted with (a P restarted at that address since is another agent:
-        # the post fails, as the request's heartbeats and proof would).
-        peer = self._peers[self._dial_address(inc.remote)]
-        agent = self.consumer.peer_of(rid)
+        # Its P rank as admitted, whatever link the address has now: a P restarted there
+        # since is another agent, and the post fails, as the heartbeats and proof would.
+        peer, agent = inc.link, self.consumer.peer_of(rid)
         inc.posted_at = now
         inc.hold_s = self.cfg.debug_read_delay_s
         if self.cfg.debug_read_delay_param:
