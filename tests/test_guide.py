@@ -334,3 +334,33 @@ def test_a_demo_summary_names_each_check_that_failed():
     assert "python(7)" in found[1] and "exported 12 requests and freed 11" in found[2]
     assert demo_problems(clean | {"tokens_match": False, "mismatched": ["r4"]}) == [
         "tokens do not equal the reference (mismatched: ['r4'])"]
+
+
+def test_the_demos_print_paths_ids_and_errors_as_they_are():
+    """The human summary prints what it was given, markup-like text included: a workdir
+    under ``/tmp/[x]``, an id or an error holding ``[red]`` or ``[/]`` (rich read them as
+    markup: changed styles, or a MarkupError that lost the summary)."""
+    import io
+
+    from rich.console import Console
+
+    from kvhandoff.adapters.commands.demo import _print_http_human, _print_human
+
+    odd = "/tmp/[x]/[/]kvh-[red]1"
+    s = {"model": "llama", "engine_start_s": 1, "requests": 12, "through_router": 8,
+         "streamed": 4, "completed": 7, "cancelled": 3, "cancel_planned": 3, "rejected": 1,
+         "malformed_status": 400, "failed": {"5": {"status": 400, "error": "[/]bad [red]x"}},
+         "cancel_missed": [{"rid": "cmpl-[red]1", "d_api_server_abort": False}],
+         "tokens_match": True, "distinct_outputs": 7, "latency_ms_median": 5,
+         "engine_restarts": 0, "exit_codes": {}, "serve_logs": [f"{odd}/D.serve.log"],
+         "replay_command": f"kvhandoff replay --check {odd}/p.jsonl", "p_exports": 12,
+         "p_frees": 12, "double_frees": 0, "lease_expiries": 0, "notify_only_releases": 0,
+         "replay_violations": 1, "state_hash": "0" * 16,
+         "violations": [{"invariant": "[/]x", "event": "[red]e", "detail": "[bold]d"}],
+         "d_ttft_ms_median": 1, "transfer_ms_median": 1, "event_logs": [f"{odd}/d.jsonl"]}
+    for show in (_print_human, _print_http_human):
+        out = io.StringIO()
+        show(s, Console(file=out, width=400, color_system=None))
+        text = out.getvalue()
+        assert f"{odd}/" in text and "[/]x [red]e: [bold]d" in text, text
+    assert "cmpl-[red]1" in text and "[/]bad [red]x" in text, text

@@ -54,6 +54,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _e(value: Any) -> str:
+    """``value`` as text rich prints as it is (a path, an id or an error may hold ``[``)."""
+    from rich.markup import escape
+
+    return escape(str(value))
+
+
 def _print_p_and_replay(s: dict[str, Any], console: Any) -> None:
     """What P did and what replay found: the same lines for both demos."""
     console.print(f"  P: exported {s['p_exports']}, freed {s['p_frees']}, double frees "
@@ -62,7 +69,7 @@ def _print_p_and_replay(s: dict[str, Any], console: Any) -> None:
     console.print(f"  replay --check: {s['replay_violations']} violations "
                   f"(state {s['state_hash'][:12]})")
     for v in s["violations"]:
-        console.print(f"    [red]{v['invariant']}[/] {v['event']}: {v['detail']}")
+        console.print(f"    [red]{_e(v['invariant'])}[/] {_e(v['event'])}: {_e(v['detail'])}")
 
 
 def _print_human(s: dict[str, Any], console: Any) -> None:
@@ -76,13 +83,11 @@ def _print_human(s: dict[str, Any], console: Any) -> None:
     _print_p_and_replay(s, console)
     console.print(f"  D time to first token median {s['d_ttft_ms_median']} ms, "
                   f"transfer median {s['transfer_ms_median']} ms")
-    console.print(f"  event logs: {' '.join(s['event_logs'])}")
-    console.print(f"  replay them: {s['replay_command']}")
+    console.print(f"  event logs: {_e(' '.join(s['event_logs']))}")
+    console.print(f"  replay them: {_e(s['replay_command'])}")
 
 
 def _print_http_human(s: dict[str, Any], console: Any) -> None:
-    from rich.markup import escape
-
     def yes(ok: bool) -> str:
         return "[green]yes[/]" if ok else "[red]NO[/]"
     console.print(f"\n[bold]kvhandoff demo --http[/] — tiny {s['model']}, `vllm serve` P (core 0) "
@@ -93,10 +98,10 @@ def _print_http_human(s: dict[str, Any], console: Any) -> None:
                   f"{s['cancelled']}/{s['cancel_planned']}, malformed params rejected "
                   f"{s['rejected']} (HTTP {s['malformed_status']})")
     for i, r in s["failed"].items():
-        console.print(f"    [red]request {i} failed[/]: {r}")
+        console.print(f"    [red]request {_e(i)} failed[/]: {_e(r)}")
     for m in s["cancel_missed"]:  # tried again with a new request
         console.print(f"    [yellow]hang-up never reached D while its READ was held[/]: "
-                      f"{escape(m['rid'])} "
+                      f"{_e(m['rid'])} "
                       f"(D's API server logged the abort: {m['d_api_server_abort']})")
     console.print(f"  text and token ids equal P's own greedy decode: {yes(s['tokens_match'])} "
                   f"({s['distinct_outputs']} distinct outputs; latency median "
@@ -104,8 +109,8 @@ def _print_http_human(s: dict[str, Any], console: Any) -> None:
     console.print(f"  engine processes died or restarted: {s['engine_restarts']} "
                   f"(exit codes after Ctrl-C: {s['exit_codes']})")
     _print_p_and_replay(s, console)
-    console.print(f"  server logs: {' '.join(s['serve_logs'])}")
-    console.print(f"  replay them: {s['replay_command']}")
+    console.print(f"  server logs: {_e(' '.join(s['serve_logs']))}")
+    console.print(f"  replay them: {_e(s['replay_command'])}")
 
 
 def _logs_to_stderr() -> None:
@@ -118,7 +123,6 @@ def _logs_to_stderr() -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.markup import escape
 
     from kvhandoff.adapters.vllm.demo import DemoOptions, demo_problems, run_demo
 
@@ -141,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         run_it, problems, show = run_demo, demo_problems, _print_human
     with console.status("starting…") as status:
         def progress(stage: str, detail: str = "") -> None:
-            status.update(f"[bold]{stage}[/] {detail}")
+            status.update(f"[bold]{_e(stage)}[/] {_e(detail)}")
 
         summary = run_it(opts, progress)
     summary["problems"] = problems(summary)
@@ -150,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         show(summary, console)
         for why in summary["problems"]:
-            console.print(f"  [red]check failed[/]: {escape(why)}")
+            console.print(f"  [red]check failed[/]: {_e(why)}")
     return 1 if summary["problems"] else 0
 
 
