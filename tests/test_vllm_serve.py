@@ -40,6 +40,7 @@ pytest.importorskip("nixl")
 httpx = pytest.importorskip("httpx")
 
 from kvhandoff.adapters.vllm.cluster import free_port  # noqa: E402
+from kvhandoff.adapters.vllm.http_demo import abort_logged  # noqa: E402
 from kvhandoff.adapters.vllm.params import (  # noqa: E402
     DEBUG_DELAY_KEY,
     DEBUG_HOLD_KEY,
@@ -90,7 +91,8 @@ class Route:
         self.d = ServeProcess(ServeSpec("D", "decode", self.model, "serve-D", {
             **common, "debug_read_delay_param": True,
             "trusted_producers": [f"127.0.0.1:{self.side_port}", "127.0.0.1:1"]}, cpus="1",
-            extra_args=serve_args), workdir)
+            # --enable-log-requests: D's log says when its API server aborted a request
+            extra_args=(*serve_args, "--enable-log-requests")), workdir)
         self.ref = ServeProcess(ServeSpec("REF", "plain", self.model, cpus="1",
                                           extra_args=serve_args), workdir)
         self.p_log = self.log_dir / "serve-P.P0.jsonl"
@@ -319,8 +321,11 @@ def cancel_during_read(route: Route, seed: int, stream: bool, attempts: int = 3)
         assert_freed_once(route, rid, released=True)
         t0 = d_evs[0].t
         missed.append([(e.kind, round(e.t - t0, 3)) for e in d_evs])
+        local = next((e.local_request_id for e in d_evs if e.kind == "admitted"), "")
         warnings.warn(f"a hang-up never reached D's worker within read_timeout_s (attempt "
-                      f"{attempt + 1} of {attempts}, tried again): {missed[-1]}", stacklevel=1)
+                      f"{attempt + 1} of {attempts}, tried again; D's API server logged the "
+                      f"abort: {abort_logged(route.d.log_path, local)}): {missed[-1]}",
+                      stacklevel=1)
     raise AssertionError(f"no cancel reached D's worker within read_timeout_s in {attempts} "
                          f"attempts (D's events, seconds after admission): {missed}")
 

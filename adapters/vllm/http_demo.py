@@ -203,7 +203,7 @@ def _landed_mid_read(kinds: list[str]) -> bool:
             < kinds.index("split_completed"))
 
 
-def _abort_logged(serve_log: Path, local_id: str) -> bool:
+def abort_logged(serve_log: Path, local_id: str) -> bool:
     """Whether D's API server logged its abort of D's request ``local_id`` (vLLM's
     ``Request <id> aborted.`` under ``--enable-log-requests``; the id without the suffix
     vLLM adds to a request's own)."""
@@ -372,7 +372,7 @@ def run_http_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
                           for i in sorted(cancel) if not mid_read(i)},
         # attempts whose hang-up never reached D while the READ was held (tried again)
         "cancel_missed": [{"rid": m["rid"], "events": m["events"], "d_api_server_abort":
-                           _abort_logged(d.log_path, m["local_id"])}
+                           abort_logged(d.log_path, m["local_id"])}
                           for i in sorted(cancel) for m in got[i]["missed"]],
         "rejected": int(m["status"] >= 400),
         "malformed_status": m["status"],
