@@ -374,12 +374,6 @@ class ConsumerEngine(LedgerEngine):
         self._unsent.pop(rid, None)
         self._retried.pop(rid, None)
 
-    def peer_of(self, rid: str) -> Hashable | None:
-        """The peer the request was admitted with: its READs, heartbeats, fence READs and
-        release all go there (None: not admitted, or forgotten)."""
-        req = self._reqs.get(rid)
-        return req.peer if req is not None else None
-
     def in_flight(self, rid: str) -> int:
         """How many of the request's READs still move bytes into D's pages."""
         req = self._reqs.get(rid)

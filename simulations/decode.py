@@ -405,7 +405,7 @@ class DecodeEngine:
         agent = self.agents[d]
         try:
             handle = (agent.post_split_read if isinstance(args[0], list) else agent.post_read)(
-                self.engines[d].peer_of(rid), *args)  # the peer it was admitted with
+                self.peers[d], *args)
         except TransportError as e:
             imp.failed_ranks.add(d)
             self.engines[d].split_done(rid, split, now, ok=False, reason=f"post: {e}")

@@ -134,7 +134,7 @@ class IncomingHandoff:
     parked: bool = False  # waiting for the handshake with its P
     pending_read: tuple[list[list[int]], bool] | None = None  # a read that came while parked
     cancelled_at: float | None = None  # when the client cancelled (None: it has not)
-    link: ProducerLink | None = None  # its P rank as admitted (layout; agent: `peer_of`)
+    link: ProducerLink | None = None  # its P rank as admitted (its agent is the engine's peer)
 
     @property
     def cancelled(self) -> bool:
@@ -421,7 +421,7 @@ class ConsumerHalf:
             return
         # Its P rank as admitted, whatever link the address has now: a P restarted there
         # since is another agent, and the post fails, as the heartbeats and proof would.
-        peer, agent = inc.link, self.consumer.peer_of(rid)
+        peer = inc.link
         inc.posted_at = now
         inc.hold_s = self.cfg.debug_read_delay_s
         if self.cfg.debug_read_delay_param:
@@ -443,7 +443,7 @@ class ConsumerHalf:
         inc.split_bytes = [r.nbytes for r in plan.reads]
         for split, read in enumerate(plan.reads):
             try:
-                handle = self.transport.post_split_read(agent, group_splits([read]))
+                handle = self.transport.post_split_read(peer.agent, group_splits([read]))
             except Exception as exc:
                 self.consumer.split_done(rid, split, now, ok=False, reason=f"post failed: {exc}")
                 continue
