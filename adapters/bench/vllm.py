@@ -38,7 +38,7 @@ from typing import Any
 
 from kvhandoff.adapters.vllm.cluster import EngineHandle, PDConfig, PDPair
 from kvhandoff.adapters.vllm.demo import prompts_for
-from kvhandoff.adapters.vllm.tiny_model import TINY_MODEL_KINDS, write_tiny_model
+from kvhandoff.adapters.vllm.tiny_model import REFERENCE_MODEL_KINDS, write_tiny_model
 from kvhandoff.transports.nixl.agent import PROGRESS_THREAD_ENV
 
 # --progress-thread: the environment variable's value for kvhandoff's engines (None: unset).
@@ -52,7 +52,7 @@ CONNECTORS = ("kvhandoff", "nixl")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=TINY_MODEL_KINDS, default="llama",
+    p.add_argument("--model", choices=REFERENCE_MODEL_KINDS, default="llama",
                    help="the tiny model both pairs serve (default llama)")
     p.add_argument("--requests", type=int, default=16, help="requests per connector (default 16)")
     p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length (default 512)")

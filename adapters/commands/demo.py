@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from kvhandoff.adapters.vllm.tiny_model import TINY_MODEL_KINDS
+from kvhandoff.adapters.vllm.tiny_model import REFERENCE_MODEL_KINDS
 
 DESCRIPTION = (
     "Write a tiny seeded model (--model: a Llama, a Gemma-3 with sliding-window and full "
@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http", action="store_true",
                    help="run it through two `vllm serve` servers and the example router "
                         "(the route operators run) instead of in-process engine handles")
-    p.add_argument("--model", choices=TINY_MODEL_KINDS, default="llama",
+    p.add_argument("--model", choices=REFERENCE_MODEL_KINDS, default="llama",
                    help="the tiny model: llama (one KV cache group, default), gemma3 (sliding "
                         "window + full attention), mamba2 (Mamba state)")
     p.add_argument("--requests", type=int, default=12, help="requests in the batch (default 12)")

