@@ -141,12 +141,16 @@ class ProducerEngine(LedgerEngine):
                 self._fence_out.append((slot, fence_value(rid, token)))
         else:
             # The host engine keeps these blocks until we name them: an export the fold
-            # refuses must not pin them for ever.  Only when the id's earlier life was
-            # already freed (and reported): a live one will be reported when it ends, and
-            # the host engine must hear of each id once.  No lease, so no READ is safe:
-            # D's heartbeat hears "unknown" and the fence never vouches for it.
+            # refuses must not pin them for ever.  Named now when nothing else will name
+            # them: the id is unknown, still prefilling (its record ends: aborted), or its
+            # earlier life was already freed (and reported).  Not a live export's: that
+            # one is reported when it ends, and the host engine must hear of each id once.
+            # No lease, so no READ is safe: D's heartbeat hears "unknown" and the fence
+            # never vouches for it.
             rec = self._rec(rid)
-            if rec is not None and rec.state is PState.FREED:
+            if rec is None or rec.state in (PState.NEW, PState.PREFILLING, PState.FREED):
+                if rec is not None and rec.state is PState.PREFILLING:
+                    self.aborted(rid, now, "export refused")
                 self._unpinned.append(rid)
                 log.warning("producer.export_refused_freed_now", stream=str(self.stream),
                             request_id=rid)

@@ -325,3 +325,22 @@ def test_an_export_refused_while_the_id_is_live_is_not_freed_twice(engine):
     assert not engine.exported("r1", 1.0, 4, (0,), "tok")
     assert engine.poll(1.0).freed == []
     assert engine.poll(LEASE).freed == ["r1"]  # the live lease's own end, reported once
+
+
+@pytest.mark.parametrize("prefilled", [True, False], ids=["prefilling", "unknown"])
+def test_an_export_refused_before_any_lease_is_named_freed_once_and_its_record_ends(
+        engine, prefilled):
+    """An export the fold refuses (no consumer rank here) while the id has no lease, the
+    request still prefilling or never seen: nothing else will name these blocks, so the
+    engine names them at its next poll, once, ends the record, and vouches for nothing."""
+    if prefilled:
+        engine.prefill_started("r1", 0.0)
+    assert not engine.exported("r1", 1.0, 4, (), "tok", fence_slot=3)
+    step = engine.poll(1.0)
+    assert step.freed == ["r1"] and step.fences == []
+    assert engine.poll(2.0).freed == [] and engine.poll(LEASE * 5).freed == []  # once
+    assert not engine.live()
+    assert _state(engine, "r1") is (PState.FREED if prefilled else None)
+    (_, ack), = engine.on_notification(D_AGENT, _hb(["r1"]), 2.0).acks
+    assert ack.time_left == {"r1": -1.0}
+    assert replay(engine.log).violations == []

@@ -751,6 +751,19 @@ def test_one_export_that_raises_costs_only_itself(workers, monkeypatch):
     assert p.state.record(p.stream, "x1").state.value == "FREED"  # ended: not live, answered
 
 
+def test_an_export_the_fold_refuses_is_named_freed_once_by_the_engine(workers, monkeypatch):
+    """A refused export (here a lease of 0 s) pins nothing: the engine, not the connector,
+    names the blocks at its next poll, once, and ends the record."""
+    p, d, pc, dc, port = workers
+    p.start_step(StepPlan(prefill_started=["z1"]))
+    monkeypatch.setattr(p.producer, "lease_s", 0.0)
+    p.start_step(StepPlan(exports=[Export("z1", 1, "t1")]))
+    assert p.finish_step()[0] == {"z1"}
+    assert "z1" not in p.finish_step()[0]
+    assert _kinds(p, "z1")[:3] == ["prefill_started", "aborted", "freed"]  # (forgotten: lease 0)
+    assert p.producer.counts["refused_events"] == 1  # the export, and nothing after it
+
+
 def test_an_export_that_finds_no_fence_slot_is_counted(workers):
     """P's scheduler hands no slot when every one is live: operators see it in the stats."""
     p, d, pc, dc, port = workers

@@ -122,8 +122,9 @@ class ProducerHalf:
                 slot = None
                 if self.fence is not None:  # every slot was live: D proves it by asking P
                     self._count("exports_unfenced")
-            self._one("plan", engine.exported, ex.request_id, now, ex.num_blocks,
-                              (self.rank,), ex.token, None, slot, request_id=ex.request_id)
+            if self._one("plan", engine.exported, ex.request_id, now, ex.num_blocks,
+                         (self.rank,), ex.token, None, slot, request_id=ex.request_id):
+                continue  # taken, or refused and named freed by the engine's next poll
             rec = engine.state.record(engine.stream, ex.request_id)
             if rec is None or rec.state in (PState.NEW, PState.PREFILLING):
                 # The export raised before the fold took it: no lease, so nothing vouches

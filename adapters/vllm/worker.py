@@ -237,16 +237,19 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
                       error_type=type(exc).__name__)
 
     def _one(self, what: str, step: Any, *args: Any, peer: str = "",
-             request_id: str = "") -> None:
-        """Run one notification's or one request's ``step``; an error costs only that one."""
+             request_id: str = "") -> bool:
+        """Run one notification's or one request's ``step``; an error costs only that one.
+        False when it raised."""
         try:
             step(*args)
+            return True
         except Exception as exc:
             if what == "notification":
                 self._count("notifications_ignored")
             log.error(f"vllm.worker.{what}_error", peer=peer or None,
                       request_id=request_id or None, error=str(exc),
                       error_type=type(exc).__name__)
+            return False
 
     # ---- registration ------------------------------------------------------
 
