@@ -13,11 +13,13 @@ Two kinds of test:
 from __future__ import annotations
 
 import dataclasses
+import struct
 import time
 from collections import Counter
 from typing import Any
 
 import numpy as np
+import orjson
 import pytest
 from structlog.testing import capture_logs
 
@@ -47,6 +49,7 @@ from kvhandoff.transports.nixl import (  # noqa: E402
     TransportProcess,
     apply_ucx_defaults,
     runs_array,
+    wire,  # noqa: E402
 )
 from kvhandoff.transports.nixl import transport as transport_module  # noqa: E402
 from kvhandoff.transports.nixl.memory import locate, plan_registrations  # noqa: E402
@@ -74,6 +77,8 @@ class FakeAgent:
         self.sent: list[tuple[str, bytes]] = []
         self.send_error: Exception | None = None
         self.incoming: list[dict[str, list[bytes]] | Exception] = []
+        self.dlists: Counter[str] = Counter()  # descriptor lists prepared and not released
+        self.unloaded: list[str] = []  # remote agents removed
 
     # registration, metadata, descriptor lists
     def register_memory(self, rows, kind):
@@ -83,10 +88,11 @@ class FakeAgent:
         pass
 
     def prep_xfer_dlist(self, agent, rows, kind):
+        self.dlists[agent] += 1
         return ("dlist", agent, kind, len(rows))
 
     def release_dlist_handle(self, handle):
-        pass
+        self.dlists[handle[1]] -= 1
 
     def get_agent_metadata(self):
         return b"nixl-md:" + self.name.encode()
@@ -95,7 +101,7 @@ class FakeAgent:
         return blob.split(b":", 1)[1].decode()
 
     def remove_remote_agent(self, name):
-        pass
+        self.unloaded.append(name)
 
     def get_xfer_descs(self, rows, kind):
         return rows
@@ -161,6 +167,7 @@ def fake(monkeypatch):
         t.register([KVRegion(f"layer{i}", np.zeros((16, 64), np.uint8), 16, 64)
                     for i in range(2)] + [KVRegion("tail", np.zeros((4, 64), np.uint8), 4, 64)])
     assert d.add_peer(p.metadata()) == "P"
+    agents["D"].p_metadata = p.metadata()  # P's handshake, for tests that forge one
     return d, agents["D"]
 
 
@@ -250,6 +257,56 @@ def test_a_remote_disconnect_fails_the_read_and_marks_the_peer_lost(fake):
     h2 = d.post_read("P", ReadRequest((BlockRun(0, 0, 1),), LAYERS))
     assert [(c.handle, c.ok, c.reason) for c in d.poll()] == [(h2, False, "failed post: peer lost")]
     assert agent.made == 1
+
+
+def _reheader(metadata: bytes, **changes) -> bytes:
+    """``metadata`` with its kvhandoff header changed, NIXL's own part as it was."""
+    start = len(wire.MAGIC) + 4
+    (n,) = struct.unpack_from("<I", metadata, len(wire.MAGIC))
+    header = orjson.loads(metadata[start:start + n]) | changes
+    body = orjson.dumps(header)
+    return wire.MAGIC + struct.pack("<I", len(body)) + body + metadata[start + n:]
+
+
+def test_metadata_naming_another_agent_than_its_nixl_part_is_refused_and_reads_go_on(fake):
+    """A header saying "Q" over P's NIXL metadata would have replaced P's entry (and the READs
+    it tracks) without the re-announce guard: refused, P kept as it was, its READ completes."""
+    d, agent = fake
+    h = d.post_read("P", ReadRequest((BlockRun(0, 0, 2),), LAYERS))
+    forged = _reheader(agent.p_metadata, agent="Q")
+    with pytest.raises(TransportError, match="metadata of agent 'Q' carries NIXL metadata of "
+                                             "agent 'P'"):
+        d.add_peer(forged)
+    assert agent.unloaded == []  # P, held, is not unloaded under its READ
+    agent.state[h] = "DONE"
+    (done,) = d.poll()
+    assert done.handle == h and done.ok
+
+
+@pytest.mark.parametrize("regions", [
+    [["layer0", "DRAM", 0, 2**63, 64, 16]],  # an address past int64
+    [["layer0", "DRAM", 0, 4096, 2**62, 4]],  # a span past int64
+    [["layer0", "DRAM", 0, 4096, 64, 16], ["tail", "DRAM", 0, 2**63, 64, 4]],  # the second
+], ids=["address", "span", "second-region"])
+def test_metadata_describing_unreadable_memory_is_a_transport_error_that_keeps_nothing(
+        fake, regions):
+    d, agent = fake
+    d.remove_peer("P")
+    before = +agent.dlists
+    with pytest.raises(TransportError, match="describes memory this agent cannot read"):
+        d.add_peer(_reheader(agent.p_metadata, regions=regions))
+    assert "P" not in d._peers and agent.unloaded[-1] == "P" and +agent.dlists == before
+
+
+def test_a_cuda_ipc_offer_that_is_no_list_is_no_offer(fake):
+    d, agent = fake
+    d.remove_peer("P")
+    d.options = dataclasses.replace(d.options, vram_ipc=True)
+    # Pinned host memory here, as a HiSparse pool: where an offer from this node is mapped.
+    d._placements = {k: dataclasses.replace(v, pinned=True) for k, v in d._placements.items()}
+    forged = _reheader(agent.p_metadata, ipc={"node": transport_module.node_id(),
+                                                     "allocations": 1})
+    assert d.add_peer(forged) == "P" and d._peers["P"].ipc_offer is None
 
 
 def test_a_split_read_completes_once_after_every_split_drained_even_when_one_failed(fake):

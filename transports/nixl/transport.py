@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -244,19 +244,32 @@ class NixlTransport:
                                   "gone?") from None
         if isinstance(name, bytes):
             name = name.decode()
-        placements = [Placement(r.name, r.kind, r.device, r.addr, r.block_bytes, r.num_blocks,
-                                (r.kind.value, r.device, r.addr), r.stride)
-                      for r in meta.regions]
-        for kind in {p.kind for p in placements}:
-            spans = span_rows([p for p in placements if p.kind is kind])
-            descs = self._agent.get_xfer_descs(spans, kind.value)
-            if not self._agent.check_remote_metadata(name, descs):
-                self._agent.remove_remote_agent(name)
-                raise PeerNotReady(f"peer {name!r}: NIXL does not see its {kind.value} "
-                                   "registrations in this metadata: re-fetch")
-        side = self._prepare_side(name, placements, None)
+        if name != meta.agent:  # keyed by one name, loaded as another: refused, nothing kept
+            if name not in self._peers:  # (a peer held under that name stays as it is)
+                self._unload(name, ())
+            raise TransportError(f"{self.name}: metadata of agent {meta.agent!r} carries NIXL "
+                                 f"metadata of agent {name!r}")
+        side = None
+        try:
+            placements = [Placement(r.name, r.kind, r.device, r.addr, r.block_bytes,
+                                    r.num_blocks, (r.kind.value, r.device, r.addr), r.stride)
+                          for r in meta.regions]
+            for kind in {p.kind for p in placements}:
+                spans = span_rows([p for p in placements if p.kind is kind])
+                descs = self._agent.get_xfer_descs(spans, kind.value)
+                if not self._agent.check_remote_metadata(name, descs):
+                    raise PeerNotReady(f"peer {name!r}: NIXL does not see its {kind.value} "
+                                       "registrations in this metadata: re-fetch")
+            side = self._prepare_side(name, placements, None)
+            ipc_offer = self._ipc_offer(meta)
+        except Exception as exc:  # nothing of this peer is kept: NIXL's remote agent goes too
+            self._unload(name, side.dlists.values() if side is not None else ())
+            if isinstance(exc, TransportError):
+                raise
+            raise TransportError(f"{self.name}: metadata of peer {name!r} describes memory "
+                                 f"this agent cannot read: {type(exc).__name__}: {exc}") from None
         self._peers[name] = _Peer(name, meta.instance, meta.generation, side,
-                                  probed_at=time.monotonic(), ipc_offer=self._ipc_offer(meta))
+                                  probed_at=time.monotonic(), ipc_offer=ipc_offer)
         log.info("nixl.peer_added", agent=self.name, peer=name, regions=len(placements),
                  generation=meta.generation)
         return name
@@ -264,7 +277,7 @@ class NixlTransport:
     def _ipc_offer(self, meta: wire.PeerMetadata) -> list | None:
         """The peer's VRAM allocations we may map, if CUDA IPC can apply at all."""
         ipc = meta.ipc or {}
-        if (self.options.vram_ipc and ipc.get("allocations") and ipc.get("node")
+        if (self.options.vram_ipc and type(ipc.get("allocations")) is list and ipc.get("node")
                 and ipc.get("node") == node_id()
                 and any(p.kind is MemoryKind.VRAM or p.pinned
                         for p in self._placements.values())):
@@ -513,20 +526,28 @@ class NixlTransport:
                 self._agent.release_dlist_handle(dlist)
         regions: dict[str, RegionAt] = {}
         dlists: dict[MemoryKind, Any] = {}
-        for kind in MemoryKind:
-            of_kind = [p for p in placements if p.kind is kind]
-            if not of_kind:
-                continue
-            base = 0
-            for p in of_kind:
-                regions[p.name] = RegionAt(kind, base, p.num_blocks, p.block_bytes, p.addr,
-                                            p.device, p.stride, p.pinned)
-                base += p.num_blocks
-            if base >= 2**31:
-                raise RegionMismatch(f"{agent_name or self.name}: {base} {kind.value} blocks "
-                                     "exceed NIXL's 32-bit descriptor indices")
-            dlists[kind] = self._agent.prep_xfer_dlist(agent_name, descriptor_rows(of_kind),
-                                                       kind.value)
+        try:
+            for kind in MemoryKind:
+                of_kind = [p for p in placements if p.kind is kind]
+                if not of_kind:
+                    continue
+                base = 0
+                for p in of_kind:
+                    regions[p.name] = RegionAt(kind, base, p.num_blocks, p.block_bytes, p.addr,
+                                                p.device, p.stride, p.pinned)
+                    base += p.num_blocks
+                if base >= 2**31:
+                    raise RegionMismatch(f"{agent_name or self.name}: {base} {kind.value} "
+                                         "blocks exceed NIXL's 32-bit descriptor indices")
+                dlists[kind] = self._agent.prep_xfer_dlist(agent_name, descriptor_rows(of_kind),
+                                                           kind.value)
+        except BaseException:  # the lists prepared so far are released, not leaked
+            for dlist in dlists.values():
+                try:
+                    self._agent.release_dlist_handle(dlist)
+                except Exception as exc:
+                    log.warning("nixl.release_failed", agent=self.name, error=repr(exc))
+            raise
         return _Side(regions, dlists)
 
     def _gather_pairs(self, peer: _Peer,
@@ -650,13 +671,18 @@ class NixlTransport:
             except Exception as exc:
                 log.warning("nixl.ipc_close_failed", agent=self.name, peer=p.name, error=repr(exc))
             p.ipc = None
-        for dlist in p.side.dlists.values():
+        self._unload(p.name, p.side.dlists.values())
+
+    def _unload(self, name: str, dlists: Iterable[Any]) -> None:
+        """Release a peer's prepared descriptor lists and unload its NIXL metadata, whatever
+        fails on the way (each failure logged)."""
+        for dlist in dlists:
             try:
                 self._agent.release_dlist_handle(dlist)
             except Exception as exc:
-                log.warning("nixl.release_failed", agent=self.name, peer=p.name, error=repr(exc))
+                log.warning("nixl.release_failed", agent=self.name, peer=name, error=repr(exc))
         try:
-            self._agent.remove_remote_agent(p.name)
+            self._agent.remove_remote_agent(name)
         except Exception as exc:
-            log.info("nixl.remove_remote_failed", agent=self.name, peer=p.name, error=repr(exc))
+            log.info("nixl.remove_remote_failed", agent=self.name, peer=name, error=repr(exc))
 
