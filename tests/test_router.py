@@ -164,6 +164,17 @@ def test_the_api_key_and_the_request_id_reach_p_and_d_and_no_other_header(upstre
         assert "x-other" not in got
 
 
+@pytest.mark.parametrize("header", ["Authorization", "X-Request-Id"])
+def test_a_passed_header_with_bytes_outside_ascii_is_a_400_before_any_upstream_call(
+        upstreams, header):
+    """HTTP lets a client send such bytes; the router could not pass them on (a bare 500)."""
+    p, d = upstreams("prefill"), upstreams("echo")
+    r = complete(p.url, d.url, {"model": "m", "prompt": "hi"}, headers={header: b"caf\xe9"})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == header.lower() and "ASCII" in r.json()["error"]["message"]
+    assert p.bodies == [] and d.bodies == []
+
+
 def test_p_params_with_a_nan_are_a_502_naming_p_not_the_client_s_400(upstreams):
     p, d = upstreams("nan_params"), upstreams("echo")
     r = complete(p.url, d.url, {"model": "m", "prompt": "hi"})

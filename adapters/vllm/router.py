@@ -113,6 +113,17 @@ def one_hand_off_problem(body: Any) -> tuple[str, str] | None:
     return None
 
 
+def _header_problem(request: Request) -> tuple[str, str] | None:
+    """(header, why) when a header the router passes on cannot be: the upstream connection
+    sends header values as ASCII, and HTTP lets a client send other bytes (read as
+    Latin-1 here)."""
+    for name in PASSED_HEADERS:
+        value = request.headers.get(name)
+        if value is not None and not value.isascii():
+            return name, f"header {name!r}: expected ASCII characters only"
+    return None
+
+
 def _bad_request(param: str, message: str) -> Response:
     # The shape of vLLM's own errors, so a client reads the router's the same way.
     return JSONResponse({"error": {"type": "BadRequestError", "message": message,
@@ -188,7 +199,7 @@ def build_app(prefill_url: str, decode_url: str, read_timeout_s: float | None = 
             _encoded(body)  # what cannot be passed on is refused before P is called
         except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError
             return _bad_request("", f"the request body is not JSON ({exc})")
-        problem = one_hand_off_problem(body)
+        problem = one_hand_off_problem(body) or _header_problem(request)
         if problem is not None:
             return _bad_request(*problem)
         p_body = {k: v for k, v in body.items() if k not in NOT_FOR_P} | PREFILL_ONLY
