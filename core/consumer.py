@@ -80,7 +80,7 @@ from kvhandoff.core.lifecycle import (
     Verdict,
     read_verdict_of,
 )
-from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Message, Release
+from kvhandoff.core.messages import MAX_IDS, Heartbeat, HeartbeatAck, Message, Release
 from kvhandoff.core.policy import (
     TimingConfig,
     heartbeat_period,
@@ -606,10 +606,12 @@ class ConsumerEngine(LedgerEngine):
             if keepalive:
                 self._keepalive[peer] = now
             ordered = tuple(sorted(rids))
-            tokens = tuple(self._reqs[rid].token for rid in ordered)
-            step.heartbeats.append((peer, Heartbeat(self.stream.engine, self.stream.rank, now,
-                                                    ordered, tokens if any(tokens) else ()),
-                                    urgent))
+            for at in range(0, max(len(ordered), 1), MAX_IDS):  # a message names ≤ MAX_IDS
+                chunk = ordered[at:at + MAX_IDS]
+                tokens = tuple(self._reqs[rid].token for rid in chunk)
+                step.heartbeats.append((peer, Heartbeat(self.stream.engine, self.stream.rank,
+                                                        now, chunk, tokens if any(tokens) else ()),
+                                        urgent))
 
     def _due(self) -> dict[Hashable, list[str]]:
         """The requests to keep alive, per peer: every one this rank acts for in a heartbeat

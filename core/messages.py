@@ -17,6 +17,12 @@ from kvhandoff.core.errors import MalformedMessage
 from kvhandoff.core.slots import slot_builder
 
 WIRE_VERSION = 1
+# Bounds on one notification, so one message costs its receiver a bounded time under the
+# worker's lock: a heartbeat names at most MAX_IDS requests (D sends more as several
+# heartbeats; an acknowledgement answers one heartbeat), and no notification is longer than
+# MAX_BYTES (MAX_IDS ids of 256 characters and their tokens of 128, in UTF-8, fit).
+MAX_IDS = 2048
+MAX_BYTES = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +120,8 @@ def _strings(obj: dict, name: str, what: str) -> tuple[str, ...]:
 
 def decode(data: bytes) -> Message:
     """Parse one notification; raise `MalformedMessage` saying what was wrong."""
+    if len(data) > MAX_BYTES:
+        raise MalformedMessage(f"notification of {len(data)} bytes, expected at most {MAX_BYTES}")
     try:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError as e:
@@ -145,11 +153,15 @@ def decode(data: bytes) -> Message:
                     else _field(obj, "sent_at", (int, float), what))
     if cls is Heartbeat:
         ids = _strings(obj, "request_ids", what)
+        if len(ids) > MAX_IDS:
+            raise MalformedMessage(f"{what}: {len(ids)} request ids, expected at most {MAX_IDS}")
         tokens = _strings(obj, "tokens", what) if "tokens" in obj else ()
         if tokens and len(tokens) != len(ids):
             raise MalformedMessage(f"{what}: {len(tokens)} tokens for {len(ids)} request ids")
         return _BUILD_HEARTBEAT(engine, rank, sent_at, ids, tokens)
     left = _field(obj, "time_left", dict, what)
+    if len(left) > MAX_IDS:
+        raise MalformedMessage(f"{what}: {len(left)} request ids, expected at most {MAX_IDS}")
     for v in left.values():  # orjson makes exact int, float and bool
         if type(v) is not float and type(v) is not int:
             raise MalformedMessage(f"{what}: field 'time_left' must map request ids to numbers")

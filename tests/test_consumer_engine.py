@@ -16,7 +16,7 @@ from kvhandoff.core.consumer import ConsumerEngine, ParamsReused, RequestIdColli
 from kvhandoff.core.events import Side, Stream
 from kvhandoff.core.fence import FENCE_READS, fence_of, fence_value
 from kvhandoff.core.lifecycle import DState, Verdict
-from kvhandoff.core.messages import HeartbeatAck, Release
+from kvhandoff.core.messages import MAX_IDS, HeartbeatAck, Release, decode, encode
 from kvhandoff.core.policy import TimingConfig
 from kvhandoff.core.replay import replay
 
@@ -578,3 +578,23 @@ def test_a_release_of_a_request_forgotten_or_admitted_again_is_never_retried(eng
         t += 0.1
         assert engine.poll(t).releases == []
     assert _state(engine) is DState.ADMITTED  # the new request, untouched
+
+
+def test_more_requests_due_at_one_p_rank_than_a_message_may_name_go_as_several(engine):
+    """P refuses a heartbeat naming more than MAX_IDS requests: D sends them as several
+    heartbeats in one poll, every request named once, each with its token."""
+    rids = [f"r{i:05d}" for i in range(MAX_IDS + 5)]
+    for rid in rids:
+        assert engine.admit(rid, 0.0, peer=P_AGENT, remote_engine="prefill-0",
+                            remote_ranks=(0,), num_blocks=1, lease_s=12.0, token=f"t-{rid}",
+                            local_id=f"local-{rid}")
+    beats = [hb for _, hb, _ in _beat(engine, 0.1).heartbeats]
+    assert [len(hb.request_ids) for hb in beats] == [MAX_IDS, 5]
+    assert [rid for hb in beats for rid in hb.request_ids] == rids
+    assert all(hb.tokens == tuple(f"t-{rid}" for rid in hb.request_ids) for hb in beats)
+    for hb in beats:  # each decodes at P, and P's answer to each at D
+        assert decode(encode(hb)) == hb
+        engine.on_notification(P_AGENT, decode(encode(HeartbeatAck(
+            "prefill-0", 0, hb.sent_at, dict.fromkeys(hb.request_ids, 12.0)))), 0.2)
+    assert engine.counts["notifications_ignored"] == 0
+    assert _beat(engine, 0.3).heartbeats == []  # the keep-alive went, as one interval's

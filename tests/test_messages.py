@@ -8,7 +8,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvhandoff.core.errors import MalformedMessage
-from kvhandoff.core.messages import Heartbeat, HeartbeatAck, Release, decode, encode
+from kvhandoff.core.messages import (
+    MAX_BYTES,
+    MAX_IDS,
+    Heartbeat,
+    HeartbeatAck,
+    Release,
+    decode,
+    encode,
+)
 
 
 @pytest.mark.parametrize("msg", [
@@ -65,3 +73,22 @@ def test_whatever_a_peer_sends_decodes_or_is_refused_as_malformed(obj):
     except MalformedMessage:
         return
     assert decode(encode(msg)) == msg
+
+
+def test_a_message_naming_more_requests_than_max_ids_is_refused():
+    """One notification costs its receiver a bounded time: at most MAX_IDS requests each."""
+    ids = tuple(f"r{i}" for i in range(MAX_IDS))
+    assert decode(encode(Heartbeat("d", 0, 1.0, ids, ("t",) * MAX_IDS))).request_ids == ids
+    with pytest.raises(MalformedMessage, match=f"{MAX_IDS + 1} request ids, expected at most"):
+        decode(encode(Heartbeat("d", 0, 1.0, (*ids, "one-more"))))
+    with pytest.raises(MalformedMessage, match=f"{MAX_IDS + 1} request ids, expected at most"):
+        decode(encode(HeartbeatAck("p", 0, 1.0, dict.fromkeys((*ids, "one-more"), 1.0))))
+
+
+def test_the_largest_legal_heartbeat_fits_and_a_longer_notification_is_refused_unparsed():
+    """MAX_IDS ids of 256 characters and tokens of 128, each character 4 bytes in UTF-8."""
+    ids = tuple(f"{i:08d}" + "\U0001F600" * 248 for i in range(MAX_IDS))
+    largest = encode(Heartbeat("d" * 256, 0, 1.0, ids, ("\U0001F600" * 128,) * MAX_IDS))
+    assert len(largest) <= MAX_BYTES and decode(largest).request_ids == ids
+    with pytest.raises(MalformedMessage, match=f"of {MAX_BYTES + 1} bytes, expected at most"):
+        decode(b" " * (MAX_BYTES + 1))
