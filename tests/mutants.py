@@ -227,10 +227,15 @@ MUTANTS: tuple[Mutant, ...] = (
             "",
             "an export the fold refuses is never named: vLLM keeps its blocks for ever"),
     Mutant("refused_live_export_freed", "core/producer.py",
-           "            if rec is not None and rec.state is PState.FREED:\n",
-           "            if rec is not None:\n",
+           "            if rec is None or rec.state in (PState.NEW, PState.PREFILLING, PState.FREED):\n",
+           "            if True:\n",
            "an export refused while the id's earlier life is live is named too: vLLM hears "
            "of the id twice (its scheduler asserts on the second)"),
+    Mutant("heartbeat_names_only_max_ids", "core/consumer.py",
+           "            for at in range(0, max(len(ordered), 1), MAX_IDS):  # a message names ≤ MAX_IDS\n",
+           "            for at in range(0, 1):\n",
+           "past MAX_IDS requests due at one P rank, D heartbeats only the first MAX_IDS: P's "
+           "leases of the rest run out under their READs"),
 )
 
 
