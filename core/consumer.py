@@ -350,7 +350,8 @@ class ConsumerEngine(LedgerEngine):
     def give_up(self, rid: str, now: float, reason: str) -> ConsumerStep:
         """Fail the request after an error of the driver's: before any READ it is rejected
         (P released notify-only); with READs in flight they are failed and the request is
-        reported once they drained.  Returns the release to send, if any."""
+        reported once they drained; with every READ drained it is reported now, with what
+        the fold says of its bytes (no longer waiting for P's word).  Returns what to do."""
         step = ConsumerStep()
         rec = self._rec(rid)
         req = self._reqs.get(rid)
@@ -358,8 +359,13 @@ class ConsumerEngine(LedgerEngine):
             return step
         if rec.state in (DState.ADMITTED, DState.VALIDATED):
             return self.rejected(rid, now, reason)
-        if rec.state in READING_STATES and not req.splits_failed:
-            self._fail_open_splits(rid, rec, req, now, reason)
+        if rec.state in READING_STATES:
+            if req.in_flight:
+                if not req.splits_failed:
+                    self._fail_open_splits(rid, rec, req, now, reason)
+            elif rid in self._reading:
+                self._dirty = True
+                self._finish(rid, rec, now, step, f"given up: {reason}")
         return step
 
     def abandon(self, rid: str) -> None:
@@ -654,13 +660,17 @@ class ConsumerEngine(LedgerEngine):
                 self._record(SplitFailed, rid, now, split=split, reason=reason[:500])
         self.counts["reads_failed"] += 1
 
-    def _finish(self, rid: str, rec: ConsumerRecord, now: float, step: ConsumerStep) -> None:
+    def _finish(self, rid: str, rec: ConsumerRecord, now: float, step: ConsumerStep,
+                why: str = "") -> None:
+        """Report ``rid`` with the fold's verdict; ``why``: the failure's reason when the
+        fold's own would be none (the driver gave the request up)."""
         verdict = read_verdict_of(rec)
         if not self._record(FinishedRecving, rid, now):
             return
         del self._reading[rid]
         ok = rec.state is DState.RECEIVED
-        reason = "" if ok else (rec.failed or _UNPROVEN.get(verdict, "nothing D may serve"))
+        reason = "" if ok else (rec.failed or why
+                                or _UNPROVEN.get(verdict, "nothing D may serve"))
         step.finished.append(Finished(rid, ok, verdict, reason))
         self._release(rid, now, not ok, step)
 

@@ -598,3 +598,21 @@ def test_more_requests_due_at_one_p_rank_than_a_message_may_name_go_as_several(e
             "prefill-0", 0, hb.sent_at, dict.fromkeys(hb.request_ids, 12.0)))), 0.2)
     assert engine.counts["notifications_ignored"] == 0
     assert _beat(engine, 0.3).heartbeats == []  # the keep-alive went, as one interval's
+
+
+def test_give_up_after_every_read_drained_reports_the_request_at_once_not_served(engine):
+    """The driver's error while the bytes wait only for P's word: reported failed now (no
+    proof: nothing served) and P released, rather than waiting and logging it received
+    while the driver tells vLLM it failed."""
+    _reading(engine)
+    engine.split_done("r1", 0, 0.2)
+    _beat(engine, 0.2)
+    step = engine.give_up("r1", 0.3, "driver error")
+    (f,) = step.finished
+    assert (f.request_id, f.ok, f.reason) == ("r1", False, "given up: driver error")
+    assert _state(engine) is DState.DONE  # failed, and P released (notify-only)
+    (peer, release), = step.releases
+    assert peer == P_AGENT and release.token == "tok"
+    engine.on_notification(P_AGENT, _ack(0.2, 11.0), 0.4)  # P's word, too late to matter
+    assert engine.poll(0.5).finished == [] and engine.give_up("r1", 0.6, "again").finished == []
+    assert replay(engine.log).violations == []

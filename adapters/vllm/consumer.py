@@ -551,7 +551,8 @@ class ConsumerHalf:
         Logged once.  The engine decides the rest (`ConsumerEngine.give_up`): a
         request that posted no read is rejected and P released notify-only; one
         with READs in flight has them failed and is reported when they drain
-        (its pages stay held until then); vLLM hears of it once.
+        (its pages stay held until then); one whose READs all drained is reported
+        failed at once; vLLM hears of it once.
         """
         inc = self._incoming.get(local_id)
         if inc is None:
@@ -580,7 +581,7 @@ class ConsumerHalf:
                     DState.READING, DState.CANCELLED_READING)
                 self._carry_out(self.consumer.give_up(rid, now, reason), now)
                 if reading:
-                    return  # reported (failed) by the engine when its READs drained
+                    return  # reported (failed) by the engine: now, or once its READs drain
         except Exception as exc:  # the fold stays as it was; vLLM still hears below
             log.error("vllm.worker.give_up_incomplete", local_request_id=local_id,
                       error=f"{type(exc).__name__}: {exc}")
