@@ -27,7 +27,7 @@ from kvhandoff.core.lifecycle import (
 
 __all__ = [
     "TimingConfig", "Verdict", "heartbeat_due", "heartbeat_plan", "next_heartbeat", "report_due",
-    "last_vouched",
+    "last_vouched", "MIN_LEASE_S",
     "heartbeat_period", "read_deadline", "expired_leases", "to_free",
     "to_forget", "forgotten_when_freed", "lease_time_left", "read_verdict", "reads_to_report",
 ]
@@ -37,6 +37,11 @@ __all__ = [
 HEARTBEATS_PER_LEASE = 6
 # A finished record is remembered this many leases after it ended (`to_forget`).
 REMEMBER_LEASES = 2
+# The shortest lease a P grants and a D accepts in transfer parameters (which clients can
+# write): D heartbeats every sixth of the shortest lease it holds from a P rank, so one
+# request with a lease of a microsecond made D heartbeat that rank, naming every request
+# it holds there, at every poll.
+MIN_LEASE_S = 1.0
 
 _TO_FREE = frozenset({PState.RELEASED, PState.EXPIRED, PState.ABORTED})
 

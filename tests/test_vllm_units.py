@@ -182,6 +182,7 @@ def test_a_restart_within_the_same_second_keeps_every_predecessor_s_log(tmp_path
     ({"lease": 3}, "fail", "lease"),
     ({"lease_s": "3"}, "fail", "lease_s"),
     ({"lease_s": 0}, "fail", "lease_s"),
+    ({"lease_s": 0.5}, "fail", "lease_s"),  # below MIN_LEASE_S: D would refuse its params
     ({"lease_s": 3, "heartbeat_interval_s": 3}, "fail", "heartbeat_interval_s"),
     ({"failure_policy": "recompute"}, "fail", "failure_policy"),
     ({"failure_policy": "retry"}, "retry", "failure_policy"),
@@ -645,8 +646,10 @@ def test_request_finished_that_raises_never_frees_pages_a_read_may_own():
     assert s.request_finished(idle, ([],)) == (False, None)
 
 
-@pytest.mark.parametrize("lease", [float("inf"), float("nan"), 86400.5])
-def test_a_lease_d_could_not_remember_is_refused(lease):
+@pytest.mark.parametrize("lease", [float("inf"), float("nan"), 86400.5, 0.999, 1e-6])
+def test_a_lease_d_could_not_remember_or_heartbeat_is_refused(lease):
+    """Too long to remember (single-use), or so short that D would heartbeat its P rank
+    (naming every request it holds there) at every poll."""
     with pytest.raises(MalformedTransferParams, match="lease_s"):
         parse_remote_prefill({**GOOD.to_wire(), "lease_s": lease})
 

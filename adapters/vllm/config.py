@@ -6,7 +6,7 @@ with `ConnectorConfigError`, never discovered mid-request.
 
 | key                    | default             | meaning                                              |
 |------------------------|---------------------|------------------------------------------------------|
-| lease_s                | 30.0                | P keeps exported blocks this long without a heartbeat |
+| lease_s                | 30.0                | P keeps exported blocks this long without a heartbeat (>= 1) |
 | heartbeat_interval_s   | lease_s / 6         | D heartbeats each P rank at most this far apart (P's lease / 6 when shorter) |
 | lease_margin_s         | min(1.0, lease_s/10)| D's safety margin on P's reported time left          |
 | read_timeout_s         | 30.0                | a READ still in flight after this is failed (sooner: one lease without word from P) |
@@ -38,7 +38,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvhandoff.core.fence import FENCE_SLOTS
-from kvhandoff.core.policy import TimingConfig
+from kvhandoff.core.policy import MIN_LEASE_S, TimingConfig
 
 
 class ConnectorConfigError(ValueError):
@@ -125,8 +125,8 @@ class HandoffConfig:
             values[f.name] = v
         defaults = {f.name: f.default for f in fields(cls)}
         lease = values.get("lease_s", defaults["lease_s"])
-        if lease <= 0:
-            raise ConnectorConfigError("lease_s", "> 0", lease)
+        if not lease >= MIN_LEASE_S:  # (D refuses parameters with a shorter lease)
+            raise ConnectorConfigError("lease_s", f">= {MIN_LEASE_S:g}", lease)
         values.setdefault("heartbeat_interval_s", lease / 6)
         values.setdefault("lease_margin_s", min(1.0, lease / 10))
         policy = values.setdefault("failure_policy", vllm_failure_policy)

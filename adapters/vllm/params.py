@@ -16,6 +16,7 @@ from typing import Any
 
 from kvhandoff.core.errors import MalformedMessage
 from kvhandoff.core.groups import SCHEMA_VERSION as LAYOUT_VERSION
+from kvhandoff.core.policy import MIN_LEASE_S
 
 MAX_LEASE_S = 86400.0
 MAX_GROUPS = 64
@@ -117,10 +118,13 @@ def parse_remote_prefill(params: Any, max_block_id: int = 1 << 31) -> RemotePref
     if num_tokens < 1:
         raise MalformedTransferParams(
             f"kv_transfer_params['remote_num_tokens']: expected >= 1, found {num_tokens}")
-    if isinstance(lease, bool) or not isinstance(lease, int | float) or not 0 < lease <= MAX_LEASE_S:
-        # Bounded: D remembers a request two leases after it ends (single-use).
+    if (isinstance(lease, bool) or not isinstance(lease, int | float)
+            or not MIN_LEASE_S <= lease <= MAX_LEASE_S):
+        # Bounded: D remembers a request two leases after it ends (single-use), and
+        # heartbeats every sixth of the shortest lease it holds from a P rank.
         raise MalformedTransferParams(
-            f"kv_transfer_params['lease_s']: expected a number in (0, {MAX_LEASE_S:g}], found {lease!r}")
+            f"kv_transfer_params['lease_s']: expected a number in [{MIN_LEASE_S:g}, "
+            f"{MAX_LEASE_S:g}], found {lease!r}")
     # Required: every P of this protocol sends it (``to_wire``, the scheduler's
     # request_finished); params without it were not written by one.
     version = _get(params, "cache_layout_version", int)
