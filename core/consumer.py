@@ -167,11 +167,14 @@ class ConsumerEngine(LedgerEngine):
         self._fresh: set[str] = set()  # admitted, not heartbeated yet
         self._last_sent: dict[Hashable, float] = {}  # per peer: the last keep-alive
         self._last_asked: dict[Hashable, float] = {}  # per peer: the last heartbeat of any kind
-        # per peer: the time (``sent_at``) of the keep-alive the last poll planned there
-        self._keepalive: dict[Hashable, float] = {}
+        # per peer: the keep-alive the last poll planned there: (``sent_at``, its messages
+        # not sent yet, its messages) -- more than one past MAX_IDS requests due there
+        self._keepalive: dict[Hashable, tuple[float, int, int]] = {}
         self._reasked: set[Hashable] = set()  # peers asked again for an overdue answer
-        # per peer: when the last keep-alive P has not answered yet was sent
+        # per peer: when the last keep-alive P has not answered yet was sent, and how many of
+        # its messages P has not answered
         self._unanswered: dict[Hashable, float] = {}
+        self._acks_due: dict[Hashable, int] = {}
         # per peer: the requests whose READs drained and wait for P's word, as the last poll saw
         self._awaiting: dict[Hashable, list[str]] = {}
         self._deadline = math.inf  # the earliest READ deadline the last poll saw
@@ -416,8 +419,13 @@ class ConsumerEngine(LedgerEngine):
             self.counts["notifications_ignored"] += 1  # D expects nothing else from P
             return
         self.counts["acks_received"] += 1
-        if self._unanswered.get(sender, math.inf) <= msg.sent_at:
-            del self._unanswered[sender]  # P answered the keep-alive, or an ask after it
+        unanswered = self._unanswered.get(sender, math.inf)
+        if unanswered <= msg.sent_at:  # P answered the keep-alive, or an ask after it
+            if unanswered == msg.sent_at and self._acks_due.get(sender, 1) > 1:
+                self._acks_due[sender] -= 1  # one of its messages: others still unanswered
+            else:
+                del self._unanswered[sender]
+                self._acks_due.pop(sender, None)
         for rid, left in sorted(msg.time_left.items()):
             rec = self._rec(rid)
             req = self._reqs.get(rid)
@@ -571,10 +579,16 @@ class ConsumerEngine(LedgerEngine):
         """The driver sent ``hb`` (planned by ``poll``, or fewer of its ids) to ``peer``."""
         self._dirty = True
         self._last_asked[peer] = now
-        if self._keepalive.get(peer) == hb.sent_at:  # that keep-alive, not an older ask
-            del self._keepalive[peer]
-            self._last_sent[peer] = now
-            self._unanswered[peer] = hb.sent_at
+        keepalive = self._keepalive.get(peer)
+        if keepalive is not None and keepalive[0] == hb.sent_at:  # not an older ask
+            sent_at, unsent, messages = keepalive
+            if unsent > 1:  # more of its messages to go: one that fails means it goes again
+                self._keepalive[peer] = (sent_at, unsent - 1, messages)
+            else:  # its last message: the keep-alive went
+                del self._keepalive[peer]
+                self._last_sent[peer] = now
+                self._unanswered[peer] = hb.sent_at
+                self._acks_due[peer] = messages
         if urgent:
             self._reasked.add(peer)
         if not hb.request_ids:
@@ -605,13 +619,15 @@ class ConsumerEngine(LedgerEngine):
         due = self._due()
         if not self._unanswered.keys() <= due.keys():  # nothing due there: nothing to ask
             self._unanswered = {p: t for p, t in self._unanswered.items() if p in due}
+            self._acks_due = {p: n for p, n in self._acks_due.items() if p in due}
         self._keepalive.clear()
         for peer, rids, urgent, keepalive in heartbeat_plan(
                 due, now, self._last_sent, self._last_asked, self._periods, self._fresh,
                 awaiting, self._reasked, self._last_vouched, self._unanswered):
-            if keepalive:
-                self._keepalive[peer] = now
             ordered = tuple(sorted(rids))
+            if keepalive:
+                messages = max(1, -(-len(ordered) // MAX_IDS))
+                self._keepalive[peer] = (now, messages, messages)
             for at in range(0, max(len(ordered), 1), MAX_IDS):  # a message names ≤ MAX_IDS
                 chunk = ordered[at:at + MAX_IDS]
                 tokens = tuple(self._reqs[rid].token for rid in chunk)

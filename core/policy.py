@@ -112,7 +112,8 @@ def heartbeat_plan(due: Mapping[Hashable, list[str]], now: float,
                    ) -> list[tuple[Hashable, list[str], bool, bool]]:
     """D: which P ranks (``peer``) to heartbeat now, and which of their requests to name.
 
-    Two kinds of heartbeat, both one message per peer:
+    Two kinds of heartbeat, both one per peer (the engine sends one naming more than
+    `core.messages.MAX_IDS` requests as several messages):
 
     * the **keep-alive**, once per period (`heartbeat_period`; ``periods`` per
       peer) since the last one (``last_sent``), names every request due at

@@ -616,3 +616,50 @@ def test_give_up_after_every_read_drained_reports_the_request_at_once_not_served
     engine.on_notification(P_AGENT, _ack(0.2, 11.0), 0.4)  # P's word, too late to matter
     assert engine.poll(0.5).finished == [] and engine.give_up("r1", 0.6, "again").finished == []
     assert replay(engine.log).violations == []
+
+
+def _many_due(e: ConsumerEngine, n: int) -> list[str]:
+    rids = [f"r{i:05d}" for i in range(n)]
+    for rid in rids:
+        assert e.admit(rid, 0.0, peer=P_AGENT, remote_engine="prefill-0", remote_ranks=(0,),
+                       num_blocks=1, lease_s=12.0, token="tok", local_id=f"local-{rid}")
+    return rids
+
+
+def _answer(e: ConsumerEngine, hb, t: float) -> None:
+    e.on_notification(P_AGENT, HeartbeatAck("prefill-0", 0, hb.sent_at,
+                                            dict.fromkeys(hb.request_ids, 12.0)), t)
+
+
+def _first_named(e: ConsumerEngine, rids: set[str], start: float, until: float) -> float:
+    """When D next names one of ``rids`` (every heartbeat sent and left unanswered)."""
+    t = start
+    while t < until:
+        for peer, hb, urgent in e.poll(t).heartbeats:
+            e.heartbeat_sent(peer, hb, t, urgent)
+            if rids & set(hb.request_ids):
+                return t
+        t = round(t + 0.05, 2)
+    return math.inf
+
+
+@pytest.mark.parametrize("lost", ["answer", "send"])
+def test_a_lost_message_of_a_keep_alive_in_several_is_made_up_as_for_one(engine, lost):
+    """Past MAX_IDS requests a keep-alive is several messages: P's answer to one of them
+    lost is asked about a quarter period later, and one the driver could not send goes
+    again at the next poll, as for a keep-alive of one message (period 2 s here)."""
+    _many_due(engine, MAX_IDS + 5)
+    for peer, hb, urgent in engine.poll(0.1).heartbeats:
+        engine.heartbeat_sent(peer, hb, 0.1, urgent)
+        _answer(engine, hb, 0.15)
+    beats = engine.poll(2.1).heartbeats
+    assert len(beats) == 2  # the keep-alive, as two messages
+    for i, (peer, hb, urgent) in enumerate(beats):
+        if lost == "send" and i == 0:
+            continue  # the driver could not send it
+        engine.heartbeat_sent(peer, hb, 2.1, urgent)
+        if not (lost == "answer" and i == 1):
+            _answer(engine, hb, 2.15)
+    missing = set(beats[0 if lost == "send" else 1][1].request_ids)
+    named = _first_named(engine, missing, 2.2, 4.0)
+    assert named <= (2.2 if lost == "send" else 2.1 + 2.0 / 4 + 0.05)
