@@ -8,9 +8,11 @@ Every READ's bytes are compared with the source.  NIXL-only behaviour is in
 
 from __future__ import annotations
 
+import struct
 import time
 
 import numpy as np
+import orjson
 import pytest
 
 pytest.importorskip("nixl")
@@ -18,8 +20,8 @@ pytest.importorskip("nixl")
 from conftest import poll_pause  # noqa: E402
 
 from kvhandoff.core.planning import coalesce  # noqa: E402
-from kvhandoff.transports.base import Completion, KVRegion, ReadRequest  # noqa: E402
-from kvhandoff.transports.nixl import NixlOptions, NixlTransport, TransportProcess  # noqa: E402
+from kvhandoff.transports.base import Completion, KVRegion, ReadRequest, TransportError  # noqa: E402
+from kvhandoff.transports.nixl import NixlOptions, NixlTransport, TransportProcess, wire  # noqa: E402
 from tests.transport_contract import (  # noqa: E402
     RegionShape,
     TransportContract,
@@ -70,6 +72,25 @@ def _pump(d: NixlTransport) -> None:
 class TestNixlHostContract(TransportContract):
     def make_shaped_pair(self, p_shapes, d_shapes):
         return nixl_host_pair(p_shapes, d_shapes)
+
+    def test_metadata_naming_another_agent_than_its_nixl_part_is_refused(self, pair):
+        """Real NIXL loads a held agent's metadata again without complaint, so the header's
+        name is what must be checked: refused naming both, and the held peer reads on."""
+        p_name, _ = self.connect(pair)
+        source = self.fill(pair)
+        metadata = pair.p.metadata()
+        (n,) = struct.unpack_from("<I", metadata, len(wire.MAGIC))
+        start = len(wire.MAGIC) + 4
+        header = orjson.dumps(orjson.loads(metadata[start:start + n]) | {"agent": "Q"})
+        forged = wire.MAGIC + struct.pack("<I", len(header)) + header + metadata[start + n:]
+        with pytest.raises(TransportError, match=f"metadata of agent 'Q' carries NIXL "
+                                                 f"metadata of agent {p_name!r}"):
+            pair.d.add_peer(forged)
+        handle = pair.d.post_read(p_name, ReadRequest(runs=coalesce(range(64), range(64))))
+        (done,) = self.settled_completions(pair, "the READ from the held peer")
+        assert done.handle == handle and done.ok
+        for i in range(len(pair.d_regions)):
+            assert np.array_equal(pair.read_d(i), source[i])
 
     def test_a_peer_that_dies_mid_read_fails_the_read_and_is_reported_lost(self, pair):
         # Over UCX's cma path a READ of host memory is copied while it is posted, so
