@@ -165,11 +165,26 @@ def prefill_backoff(layout: CacheLayout) -> int:
     return max(windowed, layout.prefill_lookahead - 1)
 
 
-def tokens_loaded(layout: CacheLayout, num_prompt_tokens: int) -> int:
-    """How many of a prompt's tokens D loads from P: all but `prefill_backoff`'s (all of
-    a prompt no longer than that)."""
+def tokens_prefilled(layout: CacheLayout, num_prompt_tokens: int) -> int:
+    """How many of a prompt's tokens P prefills and hands over (``remote_num_tokens``): all
+    but `prefill_backoff`'s (all of a prompt no longer than that)."""
     backoff = prefill_backoff(layout)
     return num_prompt_tokens - backoff if num_prompt_tokens > backoff else num_prompt_tokens
+
+
+def tokens_loaded(layout: CacheLayout, num_prompt_tokens: int) -> int:
+    """How many of a prompt's tokens D loads from P: what P prefilled (`tokens_prefilled`).
+
+    But P prefills a prompt no longer than the backoff whole, and D then recomputes its
+    last token over what it loaded: attention's pages are written again with the same
+    keys, but a state group would take that token twice (the state P hands over already
+    holds it), so with one D loads nothing and computes the prompt itself (vLLM's
+    NixlConnector loads it: a wrong state once a multi-module MTP drafter makes the
+    backoff 2 or more)."""
+    if (num_prompt_tokens <= prefill_backoff(layout)
+            and any(g.kind.reads_state for g in layout.groups)):
+        return 0
+    return tokens_prefilled(layout, num_prompt_tokens)
 
 
 def export_ids(layout: CacheLayout, block_ids: Sequence[Sequence[int]],

@@ -384,6 +384,27 @@ def test_a_multi_module_mtp_drafter_leaves_its_lookahead_window_to_d_but_one_tok
     assert dataclasses.replace(plain, prefill_lookahead=3) == plain  # local: not compared
 
 
+@pytest.mark.parametrize("lookahead", [0, 3])
+def test_a_prompt_no_longer_than_the_backoff_loads_no_state_and_all_of_its_attention(lookahead):
+    """P prefills such a prompt whole and D recomputes its last token: attention's pages
+    are written again the same, but a state would take that token twice (a wrong state
+    with a 3-token MTP lookahead, backoff 2, and a 2-token prompt), so with a state group
+    D loads nothing and computes the prompt itself."""
+    import dataclasses
+
+    from kvhandoff.core.planning import prefill_backoff, tokens_loaded
+    from tests.hybrid_layouts import gemma_layout
+
+    gemma = dataclasses.replace(gemma_layout(64, 16, 1024, window=32), prefill_lookahead=lookahead)
+    hybrid = dataclasses.replace(qsa_layout(), prefill_lookahead=lookahead)  # GDN and PLE state
+    backoff = prefill_backoff(hybrid)
+    assert backoff == prefill_backoff(gemma) == max(1, lookahead - 1)
+    for n in range(1, backoff + 1):
+        assert (tokens_loaded(gemma, n), tokens_loaded(hybrid, n)) == (n, 0)
+    n = backoff + 1
+    assert (tokens_loaded(gemma, n), tokens_loaded(hybrid, n)) == (1, 1)
+
+
 def test_p_exports_each_group_clipped_to_what_d_reads():
     from kvhandoff.core.planning import export_ids, export_lengths
     from tests.hybrid_layouts import gemma_layout

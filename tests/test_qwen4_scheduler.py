@@ -425,3 +425,26 @@ def test_the_prefill_backoff_is_nixl_connector_s_for_the_drafter_s_lookahead(tmp
         _has_mamba=True, _bounded_replay=False,
         vllm_config=SimpleNamespace(num_prefill_lookahead_tokens=lookahead)))
     assert prefill_backoff(layout) == nixl == max(1, lookahead - 1)
+
+
+def test_d_computes_a_prompt_no_longer_than_the_backoff_itself_and_releases_p(tmp_path):
+    """P prefills a prompt no longer than the backoff whole (it has nothing to leave to D),
+    so the GDN and PLE states it hands over already hold the last token, which D would
+    compute again on top of them.  D admits P's export (no rejection), reads nothing and
+    computes the prompt itself; its plan releases P's blocks at once."""
+    prompt = [5]
+    _, _, finished = _prefill_on_p(tmp_path, prompt)
+    p_params = finished[0][2][1]
+    assert p_params["remote_num_tokens"] == 1  # prefilled whole
+    s, _, hbs = _scheduler(tmp_path, "kv_consumer", "D-q4")
+    req = _request(prompt, hbs, _d_params(p_params), max_tokens=4)
+    s.add_request(req)
+    out = _step(s)
+    plan = out.kv_connector_metadata.plan
+    (admit,) = plan.admits
+    assert admit.error == ""
+    (read,) = plan.reads
+    assert not read.awaiting and not any(read.local_block_ids)  # nothing to read: a release
+    (new,) = out.scheduled_new_reqs
+    assert new.req_id == req.request_id and new.num_computed_tokens == 0
+    assert out.num_scheduled_tokens[req.request_id] == 1 and req.num_output_tokens == 1

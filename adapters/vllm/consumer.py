@@ -42,7 +42,7 @@ from kvhandoff.core.lifecycle import ConsumerRecord, DState, Verdict
 from kvhandoff.core.planning import (
     export_lengths,
     plan_group_reads,
-    tokens_loaded,
+    tokens_prefilled,
     validate_block_ids,
 )
 from kvhandoff.transports.base import UnknownPeer, group_splits
@@ -346,7 +346,7 @@ class ConsumerHalf:
 
     def _geometry_problem(self, remote: RemotePrefill, peer: ProducerLink, num_prompt_tokens: int) -> str:
         """Why ``remote`` cannot be read into this D, or "" (checked before any READ)."""
-        load = tokens_loaded(self.layout, num_prompt_tokens)
+        load = tokens_prefilled(self.layout, num_prompt_tokens)
         what = ("remote_num_tokens (D's prompt length)" if not self.backoff else
                 f"remote_num_tokens (D's prompt length - {self.backoff}: D computes the rest)")
         checks = [
