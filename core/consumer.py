@@ -625,11 +625,11 @@ class ConsumerEngine(LedgerEngine):
                 due, now, self._last_sent, self._last_asked, self._periods, self._fresh,
                 awaiting, self._reasked, self._last_vouched, self._unanswered):
             ordered = tuple(sorted(rids))
+            chunks = [ordered[at:at + MAX_IDS]  # a message names ≤ MAX_IDS
+                      for at in range(0, max(len(ordered), 1), MAX_IDS)]
             if keepalive:
-                messages = max(1, -(-len(ordered) // MAX_IDS))
-                self._keepalive[peer] = (now, messages, messages)
-            for at in range(0, max(len(ordered), 1), MAX_IDS):  # a message names ≤ MAX_IDS
-                chunk = ordered[at:at + MAX_IDS]
+                self._keepalive[peer] = (now, len(chunks), len(chunks))
+            for chunk in chunks:
                 tokens = tuple(self._reqs[rid].token for rid in chunk)
                 step.heartbeats.append((peer, Heartbeat(self.stream.engine, self.stream.rank,
                                                         now, chunk, tokens if any(tokens) else ()),

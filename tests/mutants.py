@@ -232,8 +232,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "an export refused while the id's earlier life is live is named too: vLLM hears "
            "of the id twice (its scheduler asserts on the second)"),
     Mutant("heartbeat_names_only_max_ids", "core/consumer.py",
-           "            for at in range(0, max(len(ordered), 1), MAX_IDS):  # a message names ≤ MAX_IDS\n",
-           "            for at in range(0, 1):\n",
+           "                      for at in range(0, max(len(ordered), 1), MAX_IDS)]\n",
+           "                      for at in range(0, 1)]\n",
            "past MAX_IDS requests due at one P rank, D heartbeats only the first MAX_IDS: P's "
            "leases of the rest run out under their READs"),
 )

@@ -542,11 +542,7 @@ class NixlTransport:
                 dlists[kind] = self._agent.prep_xfer_dlist(agent_name, descriptor_rows(of_kind),
                                                            kind.value)
         except BaseException:  # the lists prepared so far are released, not leaked
-            for dlist in dlists.values():
-                try:
-                    self._agent.release_dlist_handle(dlist)
-                except Exception as exc:
-                    log.warning("nixl.release_failed", agent=self.name, error=repr(exc))
+            self._release_dlists(agent_name, dlists.values())
             raise
         return _Side(regions, dlists)
 
@@ -676,13 +672,17 @@ class NixlTransport:
     def _unload(self, name: str, dlists: Iterable[Any]) -> None:
         """Release a peer's prepared descriptor lists and unload its NIXL metadata, whatever
         fails on the way (each failure logged)."""
+        self._release_dlists(name, dlists)
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as exc:
+            log.info("nixl.remove_remote_failed", agent=self.name, peer=name, error=repr(exc))
+
+    def _release_dlists(self, name: str, dlists: Iterable[Any]) -> None:
+        """Release prepared descriptor lists of ``name``, each failure logged, none raised."""
         for dlist in dlists:
             try:
                 self._agent.release_dlist_handle(dlist)
             except Exception as exc:
                 log.warning("nixl.release_failed", agent=self.name, peer=name, error=repr(exc))
-        try:
-            self._agent.remove_remote_agent(name)
-        except Exception as exc:
-            log.info("nixl.remove_remote_failed", agent=self.name, peer=name, error=repr(exc))
 
