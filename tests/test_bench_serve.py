@@ -85,6 +85,27 @@ def test_the_cancel_plan_closes_within_the_bound_and_its_default_is_the_whole_ou
     assert max(c for c in cancel_plan(200, 0.5, 1024, 3) if c is not None) >= 16
 
 
+def test_a_stream_that_fails_midway_counts_as_failed_not_as_a_crash():
+    """vLLM ends a failed request's stream with a ``data: {"error": ...}`` chunk and no
+    choices: the cancelling client records the error (it raised KeyError before)."""
+    import asyncio
+
+    import httpx
+
+    from kvhandoff.adapters.bench.serve import _stream_one
+
+    sse = (b'data: {"choices": [{"text": "a", "token_ids": [7, 8], "finish_reason": null}]}'
+           b'\n\ndata: {"error": {"message": "Internal server error", "code": 500}}\n\n')
+
+    async def one() -> dict:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(
+                lambda request: httpx.Response(200, content=sse))) as client:
+            return await _stream_one(client, "http://router/v1/completions", {}, None)
+    got = asyncio.run(one())
+    assert got == {"status": 200, "tokens": 2, "closed": False,
+                   "error": {"message": "Internal server error", "code": 500}}, got
+
+
 def _why(result: dict, c: dict) -> str:
     """What a failed cancel check shows: the row, D's view and the router's log."""
     name = {KVH: "kvhandoff", NIXL: "nixl"}[c["connector"]]

@@ -222,6 +222,17 @@ def test_make_demo_runs_as_the_readme_prints_it(tmp_path):
 DEMO_HTTP = "kvhandoff demo --http --json"
 
 
+def _serve_errors(s: dict) -> dict[str, list[str]]:
+    """The last error and warning lines of each engine's server log (what a failed run
+    shows besides the summary: CI keeps nothing else)."""
+    found = {}
+    for log in s.get("serve_logs", []):
+        text = Path(log).read_text(errors="replace") if Path(log).exists() else ""
+        found[Path(log).name] = [line[:400] for line in text.splitlines() if any(
+            w in line for w in ("ERROR", "WARNING", "[error", "[warning", "Traceback"))][-15:]
+    return found
+
+
 def test_the_http_demo_runs_as_the_docs_print_it(tmp_path):
     assert "[--http]" in README.read_text() and DEMO_HTTP in GUIDE.read_text()
     kvhandoff = Path(sys.executable).with_name("kvhandoff")
@@ -232,7 +243,7 @@ def test_the_http_demo_runs_as_the_docs_print_it(tmp_path):
     lines = result.stdout.splitlines()
     assert len(lines) == 1, (result.stdout[-2000:], result.stderr[-3000:])
     s = json.loads(lines[0])
-    assert s["problems"] == [] and result.returncode == 0, (s["problems"], result.stderr[-3000:])
+    assert s["problems"] == [] and result.returncode == 0, (s["problems"], _serve_errors(s))
     assert s["requests"] == 12 and s["completed"] == s["through_router"] == 8, s
     assert s["streamed"] == 4 and s["tokens_match"] is True and s["distinct_outputs"] == 8, s
     assert s["cancelled"] == s["cancel_planned"] == 3, s
@@ -318,7 +329,8 @@ def test_a_demo_summary_names_each_check_that_failed():
     from kvhandoff.adapters.vllm.demo import demo_problems
     from kvhandoff.adapters.vllm.http_demo import http_demo_problems
 
-    clean = {"completed": 8, "through_router": 8, "failed": {}, "tokens_match": True,
+    clean = {"completed": 8, "through_router": 8, "failed": {}, "d_failures": {},
+             "tokens_match": True,
              "mismatched": [], "cancelled": 3, "cancel_planned": 3, "cancel_events": {},
              "cancel_missed": [{"rid": "r0", "events": [], "d_api_server_abort": False}],
              "rejected": 1, "malformed_status": 400, "engine_restarts": 0,
@@ -334,6 +346,48 @@ def test_a_demo_summary_names_each_check_that_failed():
     assert "python(7)" in found[1] and "exported 12 requests and freed 11" in found[2]
     assert demo_problems(clean | {"tokens_match": False, "mismatched": ["r4"]}) == [
         "tokens do not equal the reference (mismatched: ['r4'])"]
+
+
+def test_a_stream_that_fails_midway_is_a_failed_request_with_d_s_account():
+    """vLLM ends a stream whose request failed (a KV load under the fail policy) with a
+    ``data: {"error": ...}`` chunk and no choices: the request counts as failed, named
+    with vLLM's error and every event D logged for the failed hand-off."""
+    from types import SimpleNamespace as E
+
+    import httpx
+
+    from kvhandoff.adapters.vllm.http_demo import _failures, _streamed, http_demo_problems
+
+    sse = (b'data: {"choices": [{"text": "a", "token_ids": [7], "finish_reason": null}]}\n\n'
+           b'data: {"error": {"message": "Internal server error", "code": 500}}\n\n'
+           b"data: [DONE]\n\n")
+    client = httpx.Client(transport=httpx.MockTransport(
+        lambda request: httpx.Response(200, content=sse)))
+    got = _streamed(client, "http://d/v1/completions", {"prompt": "x"})
+    assert got["finish_reason"] == "error" and got["token_ids"] == [7], got
+    assert got["error"]["message"] == "Internal server error", got
+    d_log = [E(kind="admitted", request_id="r1", t=5.0),
+             E(kind="reads_posted", request_id="r1", t=5.5),
+             E(kind="admitted", request_id="ok", t=5.6),
+             E(kind="split_failed", request_id="r1", t=9.0, reason="read timeout"),
+             E(kind="release_sent", request_id="ok", t=9.1, notify_only=False),
+             E(kind="admitted", request_id="gone", t=9.2),
+             E(kind="client_cancelled", request_id="gone", t=9.3),
+             E(kind="release_sent", request_id="gone", t=9.4, notify_only=True),
+             E(kind="release_sent", request_id="r1", t=9.5, notify_only=True)]
+    failures = _failures(d_log)
+    assert failures == {"r1": [("admitted", 0.0, ""), ("reads_posted", 0.5, ""),
+                               ("split_failed", 4.0, "read timeout"),
+                               ("release_sent", 4.5, "")]}, failures
+    summary = {"completed": 7, "through_router": 8, "failed": {"3": got},
+               "d_failures": failures, "tokens_match": True, "mismatched": [],
+               "cancelled": 3, "cancel_planned": 3, "cancel_events": {}, "cancel_missed": [],
+               "rejected": 1, "malformed_status": 400, "engine_restarts": 0,
+               "engine_processes_gone": [], "p_exports": 12, "p_frees": 12,
+               "double_frees": 0, "replay_violations": 0}
+    [problem] = http_demo_problems(summary)
+    assert "7 of 8" in problem and "Internal server error" in problem, problem
+    assert "read timeout" in problem, problem
 
 
 def test_the_demos_print_paths_ids_and_errors_as_they_are():

@@ -252,7 +252,10 @@ async def _stream_one(client: Any, url: str, body: dict[str, Any],
         async for line in r.aiter_lines():
             if not line.startswith("data: {"):
                 continue
-            choice = json.loads(line[6:])["choices"][0]
+            chunk = json.loads(line[6:])
+            if "error" in chunk:  # vLLM's word for a request that failed mid-stream
+                return {"status": 200, "tokens": tokens, "closed": False, "error": chunk["error"]}
+            choice = chunk["choices"][0]
             tokens += len(choice.get("token_ids") or ()) or 1
             finished = finished or bool(choice.get("finish_reason"))
             if cancel_after is not None and tokens >= cancel_after and not finished:
@@ -310,8 +313,8 @@ def _cancel_run(route: _Route, args: argparse.Namespace) -> dict[str, Any]:
             "d_tokens_generated": int(generated),
             "d_tokens_if_none_cancelled": n * out,
             "completed": sum(1 for i in kept if got[i]["status"] == 200
-                             and got[i]["tokens"] == out),
-            "failed": sum(1 for i in range(n) if got[i]["status"] != 200),
+                             and got[i]["tokens"] == out and "error" not in got[i]),
+            "failed": sum(1 for i in range(n) if got[i]["status"] != 200 or "error" in got[i]),
             "wall_s": round(wall, 2),
             # D's requests still running as the client closed its last stream (0: D had
             # finished or aborted each already), and the time until none was

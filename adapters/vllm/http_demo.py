@@ -181,7 +181,11 @@ def _streamed(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
             return {"status": r.status_code, "error": r.text[:300]}
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                choice = json.loads(line[6:])["choices"][0]
+                chunk = json.loads(line[6:])
+                if "error" in chunk:  # vLLM's word for a request that failed mid-stream
+                    return {"status": 200, "error": chunk["error"], "text": text,
+                            "token_ids": token_ids, "finish_reason": "error", "streamed": True}
+                choice = chunk["choices"][0]
                 text += choice.get("text") or ""
                 token_ids += choice.get("token_ids") or []
                 finish = choice.get("finish_reason") or finish
@@ -194,6 +198,20 @@ def _timeline(evs: list) -> list[tuple[str, float]]:
     t0 = evs[0].t if evs else 0.0
     return [(e.kind, round(e.t - t0, 3)) for e in evs
             if e.kind not in ("heartbeat_sent", "lease_acknowledged")]
+
+
+def _failures(evs: list) -> dict[str, list[tuple[str, float, str]]]:
+    """Every event of each request D failed (rejected, a READ failed, or released without
+    serving, the client still there), as (kind, seconds after its first event, reason)."""
+    failed = {e.request_id for e in evs if e.kind in ("rejected", "split_failed")
+              or (e.kind == "release_sent" and e.notify_only)}
+    failed -= {e.request_id for e in evs if e.kind == "client_cancelled"}
+    by_rid: dict[str, list] = {}
+    for e in evs:
+        if e.request_id in failed:
+            by_rid.setdefault(e.request_id, []).append(e)
+    return {rid: [(e.kind, round(e.t - es[0].t, 3), getattr(e, "reason", "")) for e in es]
+            for rid, es in by_rid.items()}
 
 
 def _landed_mid_read(kinds: list[str]) -> bool:
@@ -366,6 +384,8 @@ def run_http_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
         "tokens_match": bool(completed) and not mismatched,
         "mismatched": mismatched,
         "distinct_outputs": len({tuple(got[i]["token_ids"]) for i in completed}),
+        # what D's log says went wrong, per request (the malformed one's rejection included)
+        "d_failures": _failures(_events(run.d_log)),
         "cancel_planned": len(cancel),
         "cancelled": sum(mid_read(i) for i in cancel),
         "cancel_events": {got[i]["rid"]: _timeline(_events(run.d_log, got[i]["rid"]))
@@ -397,7 +417,7 @@ def http_demo_problems(s: dict[str, Any]) -> list[str]:
     return [why for failed, why in [
         (s["completed"] != s["through_router"],
          f"{s['completed']} of {s['through_router']} requests through the router completed "
-         f"(failed: {s['failed']})"),
+         f"(failed: {s['failed']}; D's failures: {s['d_failures']})"),
         (not s["tokens_match"], f"tokens do not equal P's own (mismatched: {s['mismatched']})"),
         (s["cancelled"] != s["cancel_planned"],
          f"{s['cancelled']} of {s['cancel_planned']} cancels landed mid-read "
