@@ -29,6 +29,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -388,6 +390,54 @@ def test_a_stream_that_fails_midway_is_a_failed_request_with_d_s_account():
     [problem] = http_demo_problems(summary)
     assert "7 of 8" in problem and "Internal server error" in problem, problem
     assert "read timeout" in problem, problem
+
+
+def test_the_http_demo_s_watch_names_the_process_that_stood_still():
+    """``longest_stall_s``: how long each server's ``/health`` took (here: a server that
+    answers after 0.6 s; a quiet one stays near zero) and how late this process's tick
+    woke (here: the GIL held for a whole switch interval)."""
+    import sys
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kvhandoff.adapters.vllm.http_demo import _Watch
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            time.sleep(0.6 if self.server.slow.is_set() else 0)  # type: ignore[attr-defined]
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), Health) for _ in range(2)]
+    for server in servers:
+        server.slow = threading.Event()
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    urls = {name: f"http://127.0.0.1:{server.server_port}" for name, server
+            in zip(("quiet", "slow"), servers, strict=True)}
+    watch = _Watch(urls)
+    try:
+        servers[1].slow.set()
+        deadline = time.monotonic() + 30
+        while watch.worst["slow"] < 0.6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        servers[1].slow.clear()
+        before = dict(watch.worst)
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1.0)
+        try:
+            end = time.monotonic() + 2.5
+            while time.monotonic() < end:  # holds the GIL a second at a time
+                pass
+        finally:
+            sys.setswitchinterval(interval)
+    finally:
+        worst = watch.stop()
+        for server in servers:
+            server.shutdown()
+    assert before["slow"] >= 0.6 and before["quiet"] < 0.6 and before["demo"] < 0.6, before
+    assert worst["demo"] >= 0.5, worst  # (a server's time includes this process's stall)
 
 
 def test_the_demos_print_paths_ids_and_errors_as_they_are():

@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from kvhandoff.adapters.vllm.config import HandoffConfig
 from kvhandoff.adapters.vllm.tiny_model import REFERENCE_MODEL_KINDS
 
 DESCRIPTION = (
@@ -41,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cancel", type=int, default=3,
                    help="requests cancelled by the client mid-read (default 3)")
     p.add_argument("--output-tokens", type=int, default=16)
-    p.add_argument("--lease", type=float, default=10.0, help="P's lease in seconds (default 10)")
+    p.add_argument("--lease", type=float, default=HandoffConfig().lease_s,
+                   help="P's lease in seconds (default: the connector's, %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=None, help="where model, engine logs and event logs go")
 

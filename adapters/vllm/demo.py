@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvhandoff.adapters.vllm.cluster import PDConfig, PDPair
+from kvhandoff.adapters.vllm.config import HandoffConfig
 from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY, DEBUG_HOLD_KEY
 from kvhandoff.adapters.vllm.tiny_model import write_tiny_model
 
@@ -36,7 +37,9 @@ class DemoOptions:
     cancel: int = 3
     prompt_tokens: tuple[int, int] = (200, 420)
     output_tokens: int = 16
-    lease_s: float = 10.0
+    # the connector's own default: a lease shorter than a stall of the machine frees
+    # what D had yet to read (D then fails those requests, as it must)
+    lease_s: float = HandoffConfig().lease_s
     slow_read_s: float = 1.5
     seed: int = 0
     workdir: str | None = None

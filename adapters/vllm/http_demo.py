@@ -119,6 +119,47 @@ class _Router:
         self.thread.join(10)
 
 
+class _Watch:
+    """The longest stall seen during the batch, per process: this one (how late a 0.25 s
+    tick woke: the GIL held, the process descheduled or paged in) and each server's API
+    (how long its ``/health`` took to answer, this process's own stall included).  A stall longer than the lease frees what D
+    had yet to read, and D then fails those requests: this tells which process stood still."""
+
+    TICK_S = 0.25
+
+    def __init__(self, servers: dict[str, str]) -> None:
+        import httpx
+
+        self.worst = {"demo": 0.0} | dict.fromkeys(servers, 0.0)
+        self._servers, self._client = servers, httpx.Client(timeout=None)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="stall-watch")
+        self._thread.start()
+
+    def _took(self, name: str, since: float) -> None:
+        self.worst[name] = max(self.worst[name], time.monotonic() - since)
+
+    def _run(self) -> None:
+        while True:
+            t = time.monotonic()
+            if self._stop.wait(self.TICK_S):
+                return
+            self._took("demo", t + self.TICK_S)
+            for name, url in self._servers.items():
+                t = time.monotonic()
+                try:
+                    self._client.get(f"{url}/health")
+                except Exception:  # a server gone is counted elsewhere (engine_restarts)
+                    pass
+                self._took(name, t)
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        self._client.close()
+        return {name: round(s, 2) for name, s in self.worst.items()}
+
+
 class _Run:
     """One run: the servers, the router and the request bodies."""
 
@@ -253,6 +294,7 @@ def run_http_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
     routed = [i for i in rids if i not in cancel and i != malformed]
     out = opts.output_tokens
     t0 = time.monotonic()
+    watch: _Watch | None = None
     try:
         p, d = run.start()
         say("starting", f"vllm serve P (core 0) and D (core 1); logs in {workdir}")
@@ -262,6 +304,7 @@ def run_http_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
         run.router = _Router(p.url, d.url)
         say("ready", f"engines up in {start_s:.0f}s; router at {run.router.url}")
         procs = _processes(p) | _processes(d)
+        watch = _Watch({"P": p.url, "D": d.url})
         client = httpx.Client(timeout=HTTP_TIMEOUT_S)
 
         say("reference", f"{n} prompts decoded by P alone")
@@ -357,6 +400,7 @@ def run_http_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
         engine_restarts += len(list(run.log_dir.glob("demo-*.*.*.jsonl")))
         client.close()
     finally:
+        stalls = watch.stop() if watch is not None else {}
         exit_codes = run.stop()
     logs = [str(run.p_log), str(run.d_log)]
     say("replay", " ".join(logs))
@@ -399,6 +443,7 @@ def run_http_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
         "malformed_rejected_in_d_log": any(e.kind == "rejected"
                                            for e in _events(run.d_log, m["rid"])),
         "engine_restarts": engine_restarts,
+        "longest_stall_s": stalls,
         "engine_processes_gone": gone,
         "p_all_freed_after_s": freed_after_s,
         "exit_codes": exit_codes,
@@ -417,12 +462,14 @@ def http_demo_problems(s: dict[str, Any]) -> list[str]:
     return [why for failed, why in [
         (s["completed"] != s["through_router"],
          f"{s['completed']} of {s['through_router']} requests through the router completed "
-         f"(failed: {s['failed']}; D's failures: {s['d_failures']})"),
+         f"(failed: {s['failed']}; D's failures: {s['d_failures']}; longest stall per "
+         f"process, s: {s.get('longest_stall_s')})"),
         (not s["tokens_match"], f"tokens do not equal P's own (mismatched: {s['mismatched']})"),
         (s["cancelled"] != s["cancel_planned"],
          f"{s['cancelled']} of {s['cancel_planned']} cancels landed mid-read "
          f"(D's events per cancelled request: {s['cancel_events']}; attempts whose hang-up "
-         f"never reached D: {s['cancel_missed']})"),
+         f"never reached D: {s['cancel_missed']}; longest stall per process, s: "
+         f"{s.get('longest_stall_s')})"),
         (s["rejected"] != 1, f"the malformed request was answered {s['malformed_status']}"),
         (s["engine_restarts"] != 0, f"{s['engine_restarts']} engine processes died or restarted "
                                         f"(gone: {s['engine_processes_gone']})"),
