@@ -147,10 +147,7 @@ class _Request:
     fence_reads: int = 0  # fence READs that came back without proving anything
 
 
-_UNPROVEN = {
-    Verdict.UNSAFE: "a read completed after P may have freed its blocks (P answered: gone)",
-    Verdict.PENDING: "no answer from P proving it held the blocks within read_timeout_s",
-}
+_UNSAFE = "a read completed after P may have freed its blocks (P answered: gone)"
 
 
 class ConsumerEngine(LedgerEngine):
@@ -685,10 +682,18 @@ class ConsumerEngine(LedgerEngine):
             return
         del self._reading[rid]
         ok = rec.state is DState.RECEIVED
-        reason = "" if ok else (rec.failed or why
-                                or _UNPROVEN.get(verdict, "nothing D may serve"))
+        reason = "" if ok else (rec.failed or why or self._unproven(rec, verdict, now))
         step.finished.append(Finished(rid, ok, verdict, reason))
         self._release(rid, now, not ok, step)
+
+    def _unproven(self, rec: ConsumerRecord, verdict: Verdict, now: float) -> str:
+        if verdict is Verdict.UNSAFE:
+            return _UNSAFE
+        if verdict is Verdict.PENDING:  # past `policy.read_deadline`: say which bound it was
+            return (f"no answer from P proving it held the blocks {now - rec.posted_at:.1f}s "
+                    f"after the post (read_timeout_s {self.timing.read_timeout_s}, lease_s "
+                    f"{rec.lease_s} without word from P)")
+        return "nothing D may serve"
 
     def _release(self, rid: str, now: float, notify_only: bool, step: ConsumerStep) -> None:
         self._dirty = True

@@ -251,6 +251,21 @@ def test_the_deadline_is_one_lease_after_p_last_vouched(engine):
     assert engine.poll(12.01).timed_out == ["r1"]
 
 
+def test_reads_that_drained_unproven_fail_one_lease_after_the_post_naming_that_bound(engine):
+    """P never answers: D reports the request failed at its read deadline, one lease (12 s)
+    after the post, well before read_timeout_s; the reason names both bounds and the wait
+    (it said "within read_timeout_s" whichever bound applied)."""
+    _reading(engine)
+    engine.split_done("r1", 0, 0.3)
+    for t in (0.3, 4.0, 8.0, 12.0):
+        assert _beat(engine, t).finished == []
+    (f,) = engine.poll(12.01).finished
+    assert not f.ok and f.verdict is Verdict.PENDING, f
+    assert f.reason == ("no answer from P proving it held the blocks 12.0s after the post "
+                        f"(read_timeout_s {engine.timing.read_timeout_s}, lease_s 12.0 without "
+                        "word from P)"), f.reason
+
+
 def test_an_answer_from_another_agent_proves_nothing(engine):
     _reading(engine)
     _beat(engine, 0.0)
