@@ -245,6 +245,7 @@ def test_the_http_demo_runs_as_the_docs_print_it(tmp_path):
     lines = result.stdout.splitlines()
     assert len(lines) == 1, (result.stdout[-2000:], result.stderr[-3000:])
     s = json.loads(lines[0])
+    assert json.loads((Path(s["workdir"]) / "summary.json").read_text()) == s
     assert s["problems"] == [] and result.returncode == 0, (s["problems"], _serve_errors(s))
     assert s["requests"] == 12 and s["completed"] == s["through_router"] == 8, s
     assert s["streamed"] == 4 and s["tokens_match"] is True and s["distinct_outputs"] == 8, s
@@ -281,6 +282,7 @@ def test_the_hybrid_demos_run_as_the_guide_names_them(tmp_path, model):
     s = json.loads(lines[0])
     assert s["problems"] == [] and result.returncode == 0, (s["problems"], result.stderr[-3000:])
     assert s["model"] == model and s["requests"] == 12, s
+    assert json.loads((Path(s["workdir"]) / "summary.json").read_text()) == s
     assert s["completed"] == 8 and s["tokens_match"] is True and s["mismatched"] == [], s
     assert s["cancelled"] == 3 and s["rejected"] == 1, s
     assert s["p_frees"] == s["p_exports"] == 12 and s["double_frees"] == 0, s

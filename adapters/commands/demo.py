@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -151,6 +152,8 @@ def run(args: argparse.Namespace) -> int:
 
         summary = run_it(opts, progress)
     summary["problems"] = problems(summary)
+    # kept with the logs it describes (a test's captured output is gone once it passed)
+    (Path(summary["workdir"]) / "summary.json").write_bytes(orjson.dumps(summary))
     if args.json:
         sys.stdout.write(orjson.dumps(summary).decode() + "\n")
     else:
