@@ -122,8 +122,9 @@ class _Router:
 class _Watch:
     """The longest stall seen during the batch, per process: this one (how late a 0.25 s
     tick woke: the GIL held, the process descheduled or paged in) and each server's API
-    (how long its ``/health`` took to answer, this process's own stall included).  A stall longer than the lease frees what D
-    had yet to read, and D then fails those requests: this tells which process stood still."""
+    (how long its ``/health`` took to answer, this process's own stall included).  A
+    stall longer than the lease frees what D had yet to read, and D then fails those
+    requests: this tells which process stood still."""
 
     TICK_S = 0.25
 
@@ -131,7 +132,8 @@ class _Watch:
         import httpx
 
         self.worst = {"demo": 0.0} | dict.fromkeys(servers, 0.0)
-        self._servers, self._client = servers, httpx.Client(timeout=None)
+        self._servers, self._client = servers, httpx.Client(timeout=HTTP_TIMEOUT_S)
+        self._asking: tuple[str, float] | None = None  # (server, since) while a call waits
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="stall-watch")
         self._thread.start()
@@ -146,17 +148,22 @@ class _Watch:
                 return
             self._took("demo", t + self.TICK_S)
             for name, url in self._servers.items():
-                t = time.monotonic()
+                self._asking = (name, time.monotonic())
                 try:
                     self._client.get(f"{url}/health")
                 except Exception:  # a server gone is counted elsewhere (engine_restarts)
                     pass
-                self._took(name, t)
+                self._took(*self._asking)
+                self._asking = None
 
     def stop(self) -> dict[str, float]:
+        """The worst per process (a call still unanswered counts as long as it waited)."""
         self._stop.set()
-        self._thread.join()
-        self._client.close()
+        self._thread.join(2.0)
+        if (asking := self._asking) is not None:
+            self._took(*asking)
+        if not self._thread.is_alive():  # (else the daemon thread's call still uses it)
+            self._client.close()
         return {name: round(s, 2) for name, s in self.worst.items()}
 
 
