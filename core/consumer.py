@@ -88,6 +88,7 @@ from kvhandoff.core.policy import (
     last_vouched,
     next_heartbeat,
     read_deadline,
+    read_deadline_bound,
     release_retry_at,
     report_due,
     to_forget,
@@ -483,10 +484,8 @@ class ConsumerEngine(LedgerEngine):
         if req.in_flight and not req.splits_failed:
             if now > deadline:
                 waited = now - rec.posted_at
-                self._fail_open_splits(rid, rec, req, now,
-                                       f"read timeout after {waited:.1f}s (read_timeout_s "
-                                       f"{self.timing.read_timeout_s}, lease_s {rec.lease_s} "
-                                       f"without word from P)")
+                self._fail_open_splits(rid, rec, req, now, f"read timeout after {waited:.1f}s "
+                                       f"({read_deadline_bound(rec, self.timing.read_timeout_s)})")
                 step.timed_out.append(rid)
                 return None
             wake = deadline
@@ -689,11 +688,15 @@ class ConsumerEngine(LedgerEngine):
     def _unproven(self, rec: ConsumerRecord, verdict: Verdict, now: float) -> str:
         if verdict is Verdict.UNSAFE:
             return _UNSAFE
-        if verdict is Verdict.PENDING:  # past `policy.read_deadline`: say which bound it was
-            return (f"no answer from P proving it held the blocks {now - rec.posted_at:.1f}s "
-                    f"after the post (read_timeout_s {self.timing.read_timeout_s}, lease_s "
-                    f"{rec.lease_s} without word from P)")
-        return "nothing D may serve"
+        if verdict is not Verdict.PENDING:
+            return "nothing D may serve"
+        if rec.cancelled:
+            return "the client cancelled before P proved it held the blocks"
+        timeout_s = self.timing.read_timeout_s
+        if now <= read_deadline(rec, timeout_s):  # `report_now`: vLLM 0.32's D
+            return "reported without P's word"
+        return (f"no answer from P proving it held the blocks {now - rec.posted_at:.1f}s after "
+                f"the post ({read_deadline_bound(rec, timeout_s)})")
 
     def _release(self, rid: str, now: float, notify_only: bool, step: ConsumerStep) -> None:
         self._dirty = True

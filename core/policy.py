@@ -234,11 +234,23 @@ def read_deadline(rec: ConsumerRecord, timeout_s: float) -> float:
     """
     if timeout_s == math.inf:  # no timeout (vLLM 0.32's D): READs run until the fabric ends them
         return math.inf
+    return min(rec.posted_at + timeout_s, _lease_bound(rec))
+
+
+def _lease_bound(rec: ConsumerRecord) -> float:
+    """`read_deadline`'s second bound: one lease after P last vouched for the stalest rank."""
     owing = [r for r, done in zip(rec.split_ranks, rec.split_done, strict=True)
              if done is None or (done != "" and done > rec.safe_until.get(r, -math.inf))]
     last_proof = min((rec.held_at.get(r, -math.inf) for r in owing or rec.split_ranks),
                      default=-math.inf)
-    return min(rec.posted_at + timeout_s, max(rec.posted_at, last_proof) + rec.lease_s)
+    return max(rec.posted_at, last_proof) + rec.lease_s
+
+
+def read_deadline_bound(rec: ConsumerRecord, timeout_s: float) -> str:
+    """Which of `read_deadline`'s two bounds it is, in words (a failure's reason)."""
+    if rec.posted_at + timeout_s <= _lease_bound(rec):
+        return f"read_timeout_s {timeout_s} after the post"
+    return f"lease_s {rec.lease_s} without word from P"
 
 
 def expired_leases(state: LifecycleState, stream: Stream, t: float) -> list[str]:

@@ -240,7 +240,8 @@ def test_a_read_past_its_deadline_is_failed_but_reported_only_once_it_drained(en
     assert [hb.request_ids for _, hb, _ in _beat(engine, 22.1).heartbeats] == [("r1",)]
     assert not engine.split_done("r1", 0, 25.0)  # drained now; already failed
     (f,) = engine.poll(25.0).finished
-    assert not f.ok and f.verdict is Verdict.FAILED and "read timeout" in f.reason
+    assert not f.ok and f.verdict is Verdict.FAILED
+    assert f.reason == "read timeout after 20.1s (read_timeout_s 20.0 after the post)", f.reason
 
 
 def test_the_deadline_is_one_lease_after_p_last_vouched(engine):
@@ -253,8 +254,8 @@ def test_the_deadline_is_one_lease_after_p_last_vouched(engine):
 
 def test_reads_that_drained_unproven_fail_one_lease_after_the_post_naming_that_bound(engine):
     """P never answers: D reports the request failed at its read deadline, one lease (12 s)
-    after the post, well before read_timeout_s; the reason names both bounds and the wait
-    (it said "within read_timeout_s" whichever bound applied)."""
+    after the post, well before read_timeout_s (20 s); the reason names that bound (it said
+    "within read_timeout_s" whichever bound applied)."""
     _reading(engine)
     engine.split_done("r1", 0, 0.3)
     for t in (0.3, 4.0, 8.0, 12.0):
@@ -262,8 +263,30 @@ def test_reads_that_drained_unproven_fail_one_lease_after_the_post_naming_that_b
     (f,) = engine.poll(12.01).finished
     assert not f.ok and f.verdict is Verdict.PENDING, f
     assert f.reason == ("no answer from P proving it held the blocks 12.0s after the post "
-                        f"(read_timeout_s {engine.timing.read_timeout_s}, lease_s 12.0 without "
-                        "word from P)"), f.reason
+                        "(lease_s 12.0 without word from P)"), f.reason
+
+
+def test_a_read_p_never_answered_times_out_naming_the_lease(engine):
+    _reading(engine)
+    step = _beat(engine, 12.01)
+    assert step.timed_out == ["r1"]
+    engine.split_done("r1", 0, 12.5)
+    (f,) = engine.poll(12.5).finished
+    assert f.reason == "read timeout after 12.0s (lease_s 12.0 without word from P)", f.reason
+
+
+def test_unproven_reads_reported_before_the_deadline_say_why(engine):
+    """A cancel needs no proof, and `report_now` (vLLM 0.32's D) asks none: neither is a
+    deadline that passed."""
+    _reading(engine, "cancelled")
+    _reading(engine, "now")
+    for rid in ("cancelled", "now"):
+        engine.split_done(rid, 0, 0.3)
+    engine.cancel("cancelled", 0.3)
+    reasons = {f.request_id: f.reason for f in engine.poll(0.31).finished}
+    reasons |= {f.request_id: f.reason for f in engine.report_now("now", 0.32).finished}
+    assert reasons == {"cancelled": "the client cancelled before P proved it held the blocks",
+                       "now": "reported without P's word"}, reasons
 
 
 def test_an_answer_from_another_agent_proves_nothing(engine):

@@ -246,7 +246,16 @@ def test_the_http_demo_runs_as_the_docs_print_it(tmp_path):
     assert len(lines) == 1, (result.stdout[-2000:], result.stderr[-3000:])
     s = json.loads(lines[0])
     assert json.loads((Path(s["workdir"]) / "summary.json").read_text()) == s
-    assert s["problems"] == [] and result.returncode == 0, (s["problems"], _serve_errors(s))
+    assert s["problems"] == [] and result.returncode == 0, (s["problems"], _serve_errors(s),
+                                                             result.stderr[-3000:])
+    # A stall the lease absorbed still shows in CI's warnings (which process stood still).
+    if max(s["longest_stall_s"].values()) > 5:
+        warnings.warn(f"kvhandoff demo --http: a process stood still for seconds (longest "
+                      f"per process, s: {s['longest_stall_s']})", stacklevel=1)
+    # D failed only the malformed request (and the READ of an attempt whose hang-up was late)
+    missed = {m["rid"] for m in s["cancel_missed"]}
+    [(_, rejected)] = [(rid, evs) for rid, evs in s["d_failures"].items() if rid not in missed]
+    assert [kind for kind, _, _ in rejected][:2] == ["admitted", "rejected"], s["d_failures"]
     assert s["requests"] == 12 and s["completed"] == s["through_router"] == 8, s
     assert s["streamed"] == 4 and s["tokens_match"] is True and s["distinct_outputs"] == 8, s
     assert s["cancelled"] == s["cancel_planned"] == 3, s
@@ -396,8 +405,8 @@ def test_a_stream_that_fails_midway_is_a_failed_request_with_d_s_account():
 
 def test_the_http_demo_s_watch_names_the_process_that_stood_still():
     """``longest_stall_s``: how long each server's ``/health`` took (here: a server that
-    answers after 0.6 s; a quiet one stays near zero) and how late this process's tick
-    woke (here: the GIL held for a whole switch interval)."""
+    answers its next call after 1 s; a quiet one is not charged for it) and how late this
+    process's tick woke (here: the GIL held a whole switch interval at a time)."""
     import sys
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -405,7 +414,10 @@ def test_the_http_demo_s_watch_names_the_process_that_stood_still():
 
     class Health(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            time.sleep(0.6 if self.server.slow.is_set() else 0)  # type: ignore[attr-defined]
+            slow = self.server.slow  # type: ignore[attr-defined]
+            if slow.is_set():  # once
+                slow.clear()
+                time.sleep(1.0)
             self.send_response(200)
             self.end_headers()
 
@@ -421,10 +433,7 @@ def test_the_http_demo_s_watch_names_the_process_that_stood_still():
     watch = _Watch(urls)
     try:
         servers[1].slow.set()
-        deadline = time.monotonic() + 30
-        while watch.worst["slow"] < 0.6 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        servers[1].slow.clear()
+        wait_for(lambda: watch.worst["slow"] >= 1.0, 30, "the slow server's /health charged")
         before = dict(watch.worst)
         interval = sys.getswitchinterval()
         sys.setswitchinterval(1.0)
@@ -438,7 +447,8 @@ def test_the_http_demo_s_watch_names_the_process_that_stood_still():
         worst = watch.stop()
         for server in servers:
             server.shutdown()
-    assert before["slow"] >= 0.6 and before["quiet"] < 0.6 and before["demo"] < 0.6, before
+            server.server_close()
+    assert before["quiet"] < before["slow"], before
     assert worst["demo"] >= 0.5, worst  # (a server's time includes this process's stall)
 
 

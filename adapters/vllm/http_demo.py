@@ -37,6 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from kvhandoff.adapters.vllm.cluster import EngineFailed, free_port
 from kvhandoff.adapters.vllm.demo import (
     DemoOptions,
@@ -122,9 +124,10 @@ class _Router:
 class _Watch:
     """The longest stall seen during the batch, per process: this one (how late a 0.25 s
     tick woke: the GIL held, the process descheduled or paged in) and each server's API
-    (how long its ``/health`` took to answer, this process's own stall included).  A
-    stall longer than the lease frees what D had yet to read, and D then fails those
-    requests: this tells which process stood still."""
+    server (how long its ``/health`` took to answer, this process's own stall included;
+    vLLM's ``/health`` answers from the API server's event loop, not its engine core).
+    A stall longer than the lease frees what D had yet to read, and D then fails those
+    requests: this tells which process stood still.  Each measure runs on its own thread."""
 
     TICK_S = 0.25
 
@@ -135,18 +138,23 @@ class _Watch:
         self._servers, self._client = servers, httpx.Client(timeout=HTTP_TIMEOUT_S)
         self._asking: tuple[str, float] | None = None  # (server, since) while a call waits
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="stall-watch")
-        self._thread.start()
+        self._threads = [threading.Thread(target=run, daemon=True, name=f"stall-watch-{name}")
+                         for name, run in (("tick", self._tick), ("health", self._health))]
+        for thread in self._threads:
+            thread.start()
 
     def _took(self, name: str, since: float) -> None:
         self.worst[name] = max(self.worst[name], time.monotonic() - since)
 
-    def _run(self) -> None:
+    def _tick(self) -> None:
         while True:
             t = time.monotonic()
             if self._stop.wait(self.TICK_S):
                 return
             self._took("demo", t + self.TICK_S)
+
+    def _health(self) -> None:
+        while not self._stop.wait(self.TICK_S):
             for name, url in self._servers.items():
                 self._asking = (name, time.monotonic())
                 try:
@@ -159,10 +167,11 @@ class _Watch:
     def stop(self) -> dict[str, float]:
         """The worst per process (a call still unanswered counts as long as it waited)."""
         self._stop.set()
-        self._thread.join(2.0)
+        for thread in self._threads:
+            thread.join(2.0)
         if (asking := self._asking) is not None:
             self._took(*asking)
-        if not self._thread.is_alive():  # (else the daemon thread's call still uses it)
+        if not self._threads[1].is_alive():  # (else the daemon thread's call still uses it)
             self._client.close()
         return {name: round(s, 2) for name, s in self.worst.items()}
 
@@ -407,8 +416,12 @@ def run_http_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
         engine_restarts += len(list(run.log_dir.glob("demo-*.*.*.jsonl")))
         client.close()
     finally:
-        stalls = watch.stop() if watch is not None else {}
-        exit_codes = run.stop()
+        try:
+            stalls = watch.stop() if watch is not None else {}
+            # on stderr also when the batch raised (no summary then)
+            structlog.get_logger(__name__).info("demo.longest_stall_s", **stalls)
+        finally:
+            exit_codes = run.stop()
     logs = [str(run.p_log), str(run.d_log)]
     say("replay", " ".join(logs))
     analysis = analyse_logs(logs)

@@ -54,7 +54,7 @@ REJECT_REASONS = (
 )
 READ_VERDICTS = (
     "unsafe",    # a READ completed after P may have freed its blocks
-    "unproven",  # no answer from P proved it held the blocks (read_timeout_s passed)
+    "unproven",  # no answer from P proved it held the blocks by D's read deadline
     "failed",    # a READ failed or timed out
 )
 FAILURE_CLASSES: dict[str, tuple[str, tuple[str, ...]]] = {
