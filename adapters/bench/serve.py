@@ -54,6 +54,7 @@ from typing import Any
 from kvhandoff.adapters.bench.vllm import CONNECTORS, MODELS, _logs_to_stderr
 from kvhandoff.adapters.vllm.cluster import EngineFailed, free_port, open_private_log
 from kvhandoff.adapters.vllm.demo import _events, _wait, analyse_logs
+from kvhandoff.adapters.vllm.http_demo import completion_chunk
 from kvhandoff.adapters.vllm.serve import ServeProcess, ServeSpec
 from kvhandoff.adapters.vllm.tiny_model import REFERENCE_MODEL_KINDS, write_tiny_model
 
@@ -250,14 +251,12 @@ async def _stream_one(client: Any, url: str, body: dict[str, Any],
         if cancel_after == 0:
             return {"status": 200, "tokens": 0, "closed": True}
         async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
+            if (chunk := completion_chunk(line)) is None:
                 continue
-            chunk = json.loads(line[6:])
             if "error" in chunk:  # vLLM's word for a request that failed mid-stream
                 return {"status": 200, "tokens": tokens, "closed": False, "error": chunk["error"]}
-            choice = chunk["choices"][0]
-            tokens += len(choice.get("token_ids") or ()) or 1
-            finished = finished or bool(choice.get("finish_reason"))
+            tokens += len(chunk["token_ids"]) or 1
+            finished = finished or bool(chunk["finish_reason"])
             if cancel_after is not None and tokens >= cancel_after and not finished:
                 return {"status": 200, "tokens": tokens, "closed": True}
     return {"status": 200, "tokens": tokens, "closed": False}

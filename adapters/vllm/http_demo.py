@@ -230,6 +230,21 @@ def _completion(r: Any) -> dict[str, Any]:
             "finish_reason": choice.get("finish_reason")}
 
 
+def completion_chunk(line: str) -> dict[str, Any] | None:
+    """One line of vLLM's streamed ``/v1/completions`` answer, as the clients here read
+    it: ``None`` for a line with no chunk (blank, ``data: [DONE]``), else the first
+    choice's ``text``, ``token_ids`` and ``finish_reason``, or vLLM's ``error`` (the
+    chunk vLLM sends, with no choices, for a request that failed mid-stream)."""
+    if not line.startswith("data: {"):
+        return None
+    chunk = json.loads(line[6:])
+    if "error" in chunk:
+        return {"error": chunk["error"]}
+    choice = chunk["choices"][0]
+    return {"text": choice.get("text") or "", "token_ids": choice.get("token_ids") or [],
+            "finish_reason": choice.get("finish_reason")}
+
+
 def _streamed(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
     text, token_ids, finish = "", [], None
     with client.stream("POST", url, json=body | {"stream": True}) as r:
@@ -237,38 +252,34 @@ def _streamed(client: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
             r.read()
             return {"status": r.status_code, "error": r.text[:300]}
         for line in r.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if "error" in chunk:  # vLLM's word for a request that failed mid-stream
-                    return {"status": 200, "error": chunk["error"], "text": text,
-                            "token_ids": token_ids, "finish_reason": "error", "streamed": True}
-                choice = chunk["choices"][0]
-                text += choice.get("text") or ""
-                token_ids += choice.get("token_ids") or []
-                finish = choice.get("finish_reason") or finish
+            if (chunk := completion_chunk(line)) is None:
+                continue
+            if "error" in chunk:
+                return {"status": 200, "error": chunk["error"], "text": text,
+                        "token_ids": token_ids, "finish_reason": "error", "streamed": True}
+            text += chunk["text"]
+            token_ids += chunk["token_ids"]
+            finish = chunk["finish_reason"] or finish
     return {"status": 200, "text": text, "token_ids": token_ids, "finish_reason": finish,
             "streamed": True}
 
 
-def _timeline(evs: list) -> list[tuple[str, float]]:
-    """D's events of one request, seconds after its first (heartbeats and acks left out)."""
+def _timeline(evs: list, beats: bool = False) -> list[tuple[str, float, str]]:
+    """One request's events in D's log as (kind, seconds after its first, reason or ""),
+    its heartbeats and acknowledgements left out unless ``beats``."""
     t0 = evs[0].t if evs else 0.0
-    return [(e.kind, round(e.t - t0, 3)) for e in evs
-            if e.kind not in ("heartbeat_sent", "lease_acknowledged")]
+    return [(e.kind, round(e.t - t0, 3), getattr(e, "reason", "")) for e in evs
+            if beats or e.kind not in ("heartbeat_sent", "lease_acknowledged")]
 
 
 def _failures(evs: list) -> dict[str, list[tuple[str, float, str]]]:
     """Every event of each request D failed (rejected, a READ failed, or released without
-    serving, the client still there), as (kind, seconds after its first event, reason)."""
+    serving, the client still there): its `_timeline`, heartbeats included."""
     failed = {e.request_id for e in evs if e.kind in ("rejected", "split_failed")
               or (e.kind == "release_sent" and e.notify_only)}
     failed -= {e.request_id for e in evs if e.kind == "client_cancelled"}
-    by_rid: dict[str, list] = {}
-    for e in evs:
-        if e.request_id in failed:
-            by_rid.setdefault(e.request_id, []).append(e)
-    return {rid: [(e.kind, round(e.t - es[0].t, 3), getattr(e, "reason", "")) for e in es]
-            for rid, es in by_rid.items()}
+    return {rid: _timeline([e for e in evs if e.request_id == rid], beats=True)
+            for rid in sorted(failed)}
 
 
 def _landed_mid_read(kinds: list[str]) -> bool:
