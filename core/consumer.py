@@ -114,6 +114,9 @@ class Finished:
     ok: bool
     verdict: Verdict
     reason: str = ""  # why not ok (the first failure, or the verdict's meaning)
+    # not ok only because the client left before P proved it held the blocks: nothing
+    # went wrong with the hand-off, and nothing would have been served anyway
+    abandoned: bool = False
 
 
 @dataclass(slots=True)
@@ -682,7 +685,8 @@ class ConsumerEngine(LedgerEngine):
         del self._reading[rid]
         ok = rec.state is DState.RECEIVED
         reason = "" if ok else (rec.failed or why or self._unproven(rec, verdict, now))
-        step.finished.append(Finished(rid, ok, verdict, reason))
+        abandoned = not ok and rec.cancelled and verdict is Verdict.PENDING and not rec.failed
+        step.finished.append(Finished(rid, ok, verdict, reason, abandoned))
         self._release(rid, now, not ok, step)
 
     def _unproven(self, rec: ConsumerRecord, verdict: Verdict, now: float) -> str:

@@ -283,10 +283,29 @@ def test_unproven_reads_reported_before_the_deadline_say_why(engine):
     for rid in ("cancelled", "now"):
         engine.split_done(rid, 0, 0.3)
     engine.cancel("cancelled", 0.3)
-    reasons = {f.request_id: f.reason for f in engine.poll(0.31).finished}
-    reasons |= {f.request_id: f.reason for f in engine.report_now("now", 0.32).finished}
+    finished = engine.poll(0.31).finished + engine.report_now("now", 0.32).finished
+    reasons = {f.request_id: f.reason for f in finished}
     assert reasons == {"cancelled": "the client cancelled before P proved it held the blocks",
                        "now": "reported without P's word"}, reasons
+    # only the cancel is abandoned (the connector logs it as such, not as a refused READ)
+    assert {f.request_id: f.abandoned for f in finished} == {"cancelled": True, "now": False}
+
+
+def test_a_cancelled_request_whose_read_failed_or_p_freed_is_not_merely_abandoned(engine):
+    """The client's cancel excuses only the missing proof: a READ that failed, or P's word
+    that it freed the blocks under the READ, is still reported as what it is."""
+    _reading(engine, "failed")
+    _reading(engine, "gone")
+    engine.split_done("failed", 0, 0.3, ok=False)
+    engine.on_notification(P_AGENT, _ack(0.0, 0.0, "gone"), 0.2)  # P: "gone"
+    engine.split_done("gone", 0, 0.3)
+    for rid in ("failed", "gone"):
+        engine.cancel(rid, 0.3)
+    finished = {f.request_id: f for f in engine.poll(0.31).finished}
+    assert set(finished) == {"failed", "gone"}, finished
+    assert finished["failed"].verdict is Verdict.FAILED
+    assert finished["gone"].verdict is Verdict.UNSAFE
+    assert not any(f.ok or f.abandoned for f in finished.values()), finished
 
 
 def test_an_answer_from_another_agent_proves_nothing(engine):

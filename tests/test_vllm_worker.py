@@ -263,6 +263,30 @@ def test_a_read_held_until_cancelled_is_in_flight_when_the_client_leaves(workers
     assert _same(pc, dc, (7, 8), (20, 21))
 
 
+def test_a_cancel_before_p_proved_its_lease_is_logged_as_abandoned_not_refused(workers,
+                                                                               monkeypatch):
+    """D hears nothing from P (no acknowledgement, no fence slot): the client's cancel
+    ends the request unproven once its READ drains, which the connector logs as abandoned
+    (info) and does not count as a refused READ (an error, and the counter operators
+    alert on): the client left, nothing went wrong with the hand-off."""
+    p, d, pc, dc, port = workers
+    monkeypatch.setattr(d.transport, "recv_notifs", lambda: [])
+    _export(p, "r2u", 2, "tok-2u")
+    params = _params("r2u", port, (7, 8), "tok-2u", fence_slot=None, debug_read_delay_s=0.3,
+                     debug_hold_until_cancelled=True)
+    d.start_step(StepPlan(admits=[Admit("L2u", params, "", 2 * BLOCK)],
+                          reads=[Read("L2u", [[20, 21]])]))
+    _pump(p, d, lambda s, r, f: _d_state(d, "r2u") is DState.READING)
+    with capture_logs() as logs:
+        d.start_step(StepPlan(cancels=["L2u"]))
+        _pump(p, d, lambda s, r, f: "L2u" in f)
+    said = [(x["event"], x["log_level"], x.get("reason")) for x in logs
+            if x["event"] in ("vllm.worker.read_abandoned", "vllm.worker.read_refused")]
+    assert said == [("vllm.worker.read_abandoned", "info",
+                     "the client cancelled before P proved it held the blocks")], said
+    assert not {k: v for k, v in d.total.items() if k.startswith("reads_refused") and v}
+
+
 @pytest.mark.parametrize("token", ["guess", ""])
 def test_a_release_without_the_token_frees_nothing(workers, token):
     p, d, pc, dc, port = workers

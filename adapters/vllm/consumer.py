@@ -516,7 +516,10 @@ class ConsumerHalf:
 
     def _report(self, rid: str, inc: IncomingHandoff, f: Finished) -> None:
         """The engine reported ``rid`` (``finished_recving``): tell vLLM, once."""
-        if not f.ok and not inc.gave_up:
+        if f.abandoned and not inc.gave_up:  # the client's cancel, not a refused READ
+            log.info("vllm.worker.read_abandoned", request_id=rid, local_request_id=inc.local_id,
+                     reason=f.reason)
+        elif not f.ok and not inc.gave_up:
             self._count(kstats.failure_key("reads_refused", _VERDICT_CLASS.get(f.verdict, "failed")))
             log.error("vllm.worker.read_refused", request_id=rid, local_request_id=inc.local_id,
                       verdict=f.verdict.value, error=f.reason)
