@@ -14,6 +14,7 @@ this draws; redraw it with::
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -47,10 +48,13 @@ def cancel_during_read_svg() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m kvhandoff.adapters.pictures",
+                                     description="Redraw the docs' cancel-during-read picture.")
+    parser.add_argument("out", nargs="?", default=os.path.join("docs", "img", "cancel_during_read.svg"),
+                        help="the SVG file to write (default: %(default)s)")
+    out = parser.parse_args(argv).out
     if not structlog.is_configured():  # the simulated engines' warnings: stderr, not stdout
         structlog.configure(logger_factory=lambda *_: structlog.PrintLogger(sys.stderr))
-    out = argv[0] if argv else os.path.join("docs", "img", "cancel_during_read.svg")
     with open(out, "w", encoding="utf-8") as f:
         f.write(cancel_during_read_svg())
     print(f"wrote {out}")

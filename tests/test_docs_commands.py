@@ -222,6 +222,16 @@ def test_the_picture_redraw_command_draws_the_committed_picture(tmp_path):
     assert _texts_and_bars(drawn) == _texts_and_bars(committed)
 
 
+def test_the_picture_redraw_command_takes_no_flag_for_a_file_name(tmp_path):
+    """``--help`` is help: it wrote an SVG file named ``--help`` into the directory."""
+    done = run("python -m kvhandoff.adapters.pictures --help", tmp_path)
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+    done = run("python -m kvhandoff.adapters.pictures --out x.svg", tmp_path)
+    assert done.returncode == 2 and "unrecognized arguments" in done.stderr, done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_diagram_command_prints_the_graphs_the_lifecycle_page_shows(tmp_path):
     done = run(printed(ROOT / "docs" / "lifecycle.md", "kvhandoff diagram"), tmp_path)
     assert done.returncode == 0 and done.stdout.strip(), done.stderr

@@ -407,13 +407,14 @@ def test_re_admission_of_a_released_request_fails_it_and_never_reads_again(worke
 def test_an_event_the_fold_refuses_is_logged_once_not_raised(workers):
     p, d, pc, dc, port = workers
     _done_handoff(p, d, port, "r7", "L7", (6,), "tok-7", [5])
+    refused = d.engine.counts["refused_events"]
     with capture_logs() as logs:
-        assert d._record(Admitted, "r7", d.clock(), remote_engine="P-w", remote_ranks=(0,),
-                         num_blocks=1, lease_s=LEASE, lease_margin_s=0.2,
-                         local_request_id="L7b") is False
+        assert d.engine._record(Admitted, "r7", d.clock(), remote_engine="P-w",
+                                remote_ranks=(0,), num_blocks=1, lease_s=LEASE,
+                                lease_margin_s=0.2, local_request_id="L7b") is False
     (entry,) = logs
-    assert entry["event"] == "vllm.worker.refused_event" and entry["event_kind"] == "admitted"
-    assert "DONE" in entry["error"]
+    assert entry["event"] == "consumer.refused_event" and entry["event_kind"] == "admitted"
+    assert "DONE" in entry["error"] and d.engine.counts["refused_events"] == refused + 1
 
 
 @pytest.mark.parametrize("when", ["unknown", "done", "reading"])

@@ -60,7 +60,7 @@ from kvhandoff.adapters.vllm.transport import make_transport
 from kvhandoff.adapters.vllm.trust import TrustedProducers
 from kvhandoff.core import messages
 from kvhandoff.core.consumer import ConsumerEngine
-from kvhandoff.core.errors import LifecycleError, MalformedMessage
+from kvhandoff.core.errors import MalformedMessage
 from kvhandoff.core.events import Side, Stream
 from kvhandoff.core.fence import LANDING_SLOTS
 from kvhandoff.core.groups import CacheLayout
@@ -156,18 +156,6 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
     def _count(self, key: str, n: int | float = 1) -> None:
         self.stats[key] += n
         self.total[key] += n
-
-    def _record(self, event_type: type, rid: str, t: float, **fields: Any) -> bool:
-        try:
-            self.ledger.record(event_type, rid, t, **fields)
-            return True
-        except LifecycleError as exc:
-            # An event the graph refuses is a bug in this adapter or a hostile
-            # peer; the request's lifecycle is left unchanged and it is logged.
-            # (Never ``event=``: it is structlog's first positional parameter.)
-            log.error("vllm.worker.refused_event", request_id=rid, event_kind=event_type.kind,
-                      error=str(exc))
-            return False
 
     def _rec(self, rid: str) -> Any:
         return self.state.record(self.stream, rid)
