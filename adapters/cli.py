@@ -10,7 +10,9 @@ With ``--json`` a command prints exactly one JSON object on stdout.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import sys
 
 import orjson
@@ -62,6 +64,27 @@ def main(argv: list[str] | None = None) -> int:
         # swaps sys.stderr (a test harness, an embedding app) is followed.
         structlog.configure(logger_factory=lambda *_: structlog.PrintLogger(sys.stderr))
     args = build_parser(argv).parse_args(argv)
+    try:
+        status = _run(args)
+        sys.stdout.flush()  # a full disk or a closed pipe shows here, not at exit
+    except BrokenPipeError:  # the reader left (``kvhandoff replay LOG | head``): not an error
+        _stdout_to_devnull()
+        return 1
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EIO, errno.EDQUOT):
+            raise
+        print(f"kvhandoff: cannot write the output: {e.strerror}", file=sys.stderr)
+        _stdout_to_devnull()
+        return 1
+    return status
+
+
+def _stdout_to_devnull() -> None:
+    """What stdout still buffers goes nowhere: its flush at exit would raise again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "bench":
         result = _benchmark(args.target).run(args)
         if args.json:

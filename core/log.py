@@ -7,7 +7,8 @@ Writing is buffered in memory (`LogWriter`); ``flush`` at the points where
 losing the tail would hurt.  Recording never raises: a failed write keeps its
 lines for the next flush.  Reading (`read_log`, `read_logs`) checks every line: bad
 JSON, an unknown event type, a field of the wrong type, a sequence gap or
-repeat within a stream raise `LogCorrupt` naming the file and line.  A torn
+repeat within a stream raise `LogCorrupt` naming the file and line; a blank line
+(an editor's) is skipped.  A torn
 last line (a crash mid-write: no final newline and not parseable) is dropped
 with a warning and the events before it are kept; a live log is read up to where
 it ended then (what its writer adds meanwhile is for the next read).
@@ -210,6 +211,20 @@ _ADDED_LATER = {("reads_posted", "split_groups"): ()}
 _HEADER = (("rid", (str,), "str"), ("engine", (str,), "str"), ("side", (str,), "str"),
            ("rank", (int,), "int"), ("seq", (int,), "int"), ("t", (float, int), "number"))
 _SIDES = {s.value: s for s in Side}
+_JSON_NAMES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+               type(None): "null"}
+
+
+def _found(value: object) -> str:
+    """What a line holds where something else was expected, in JSON's words (numbers by
+    value: an integer beyond 64 bits reads as a float, and "found float" misled)."""
+    if type(value) in (int, float):
+        return f"the number {value!r}"
+    if type(value) is list and value:
+        bad = next((x for x in value if type(x) is not int), None)
+        if bad is not None:
+            return f"an array holding {_found(bad)}"
+    return _JSON_NAMES.get(type(value), type(value).__name__)
 
 # --- typed decoding -------------------------------------------------------------
 # One msgspec struct per event type mirrors its line: the header, then the
@@ -291,11 +306,13 @@ class _Reader:
         try:
             obj = orjson.loads(raw)
         except orjson.JSONDecodeError as e:
-            raise LogCorrupt(path, lineno, f"bad JSON ({e})") from None
+            raise LogCorrupt(path, lineno, f"bad JSON ({e.msg} at character {e.pos + 1} of "
+                                           f"the line)") from None
         if type(obj) is not dict:
-            raise LogCorrupt(path, lineno, f"expected an object, found {type(obj).__name__}")
-        if obj.get("v") != SCHEMA_VERSION:
-            raise LogCorrupt(path, lineno, f"schema version {obj.get('v')!r}, "
+            raise LogCorrupt(path, lineno, f"expected an object, found {_found(obj)}")
+        version = obj.get("v")
+        if type(version) is not int or version != SCHEMA_VERSION:
+            raise LogCorrupt(path, lineno, f"schema version {version!r}, "
                                            f"expected {SCHEMA_VERSION}")
         kind = obj.get("type")
         decoder = _DECODERS.get(kind) if type(kind) is str else None
@@ -306,7 +323,7 @@ class _Reader:
             v = obj.get(name)
             if type(v) not in types:
                 raise LogCorrupt(path, lineno, f"field {name!r} must be {type_name}, "
-                                               f"found {type(v).__name__}")
+                                               f"found {_found(v)}")
         side = _SIDES.get(obj["side"])
         if side is None:
             raise LogCorrupt(path, lineno, f"field 'side' must be P or D, found {obj['side']!r}")
@@ -324,7 +341,7 @@ class _Reader:
                 values.append(v if convert is None else convert(v))
             except TypeError:
                 raise LogCorrupt(path, lineno, f"{kind}: field {name!r} must be {type_name}, "
-                                               f"found {type(v).__name__}") from None
+                                               f"found {_found(v)}") from None
         skey = (obj["engine"], obj["side"], obj["rank"])
         stream = self.streams.get(skey)
         if stream is None:
@@ -343,10 +360,12 @@ class _Reader:
                     torn = lines.pop()
                 yield from self._decode_chunk(lines, path, lineno)
                 lineno += len(lines)
-                if torn:
+                if torn.strip():
                     try:
                         yield self.decode(torn, path, lineno + 1)
                     except LogCorrupt as e:
+                        if _parses(torn):  # a whole line, wrong: not a write cut short
+                            raise
                         log.warning("eventlog.torn_last_line", path=path, line=lineno + 1,
                                     reason=e.reason, kept_events=lineno)
                     # The file ended there when it was read: a live log's writer may add
@@ -365,7 +384,8 @@ class _Reader:
                 try:
                     wire = typed(raw)
                 except Exception:  # refused: the careful path says what is wrong, as before
-                    append(diagnose(raw, path, i))
+                    if raw.strip():  # (a blank line, an editor's, is no event: skipped)
+                        append(diagnose(raw, path, i))
                     continue
                 stream = streams.get((wire.engine, wire.side, wire.rank))
                 if stream is None:
@@ -377,6 +397,14 @@ class _Reader:
                 last_seq[stream] = seq
                 append(build[type(wire)](wire, stream))
         return events
+
+
+def _parses(raw: bytes) -> bool:
+    try:
+        orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return False
+    return True
 
 
 def iter_log(path: str | os.PathLike) -> Iterator[Event]:

@@ -142,9 +142,11 @@ def sweep(scenarios: Iterable[str], seeds: range, policy: str = "kvhandoff",
     summary = Summary(policy, scenarios, (seeds.start, seeds.stop - 1), jobs=jobs)
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
-    tasks = [(sc, seed, policy, log_dir, replay_check) for sc in scenarios for seed in seeds]
+    # Made as the workers take them: a sweep of many seeds holds no list of its runs.
+    tasks = ((sc, seed, policy, log_dir, replay_check) for sc in scenarios for seed in seeds)
+    count = len(scenarios) * len(seeds)
     start = time.perf_counter()  # wall time only measures the simulator's speed
-    if jobs > 1 and len(tasks) > 1:
+    if jobs > 1 and count > 1:
         ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
                                           else "spawn")
         # Forked workers inherit the parent's objects, garbage included; a collection in
@@ -158,7 +160,7 @@ def sweep(scenarios: Iterable[str], seeds: range, policy: str = "kvhandoff",
         with pool:
             # Small chunks: a run lasts milliseconds, and a large last chunk leaves the
             # other workers idle at the end of the sweep.
-            results = pool.imap(_run_task, tasks, chunksize=max(1, min(8, len(tasks) // (jobs * 8))))
+            results = pool.imap(_run_task, tasks, chunksize=max(1, min(8, count // (jobs * 8))))
             _collect(summary, results)
     else:
         _collect(summary, map(_run_task, tasks))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import orjson
 import pytest
 from lifecycle_paths import D_PATHS, P_PATHS, RID, ledger_in
@@ -252,15 +254,24 @@ def _set(index, **changes):
     (lambda lines: lines.__setitem__(1, b"[1,2]"), 2, "expected an object"),
     (_set(2, type="teleported"), 3, "unknown event type 'teleported'"),
     (_set(2, v=7), 3, "schema version 7"),
-    (_set(1, lease_s="30"), 2, "field 'lease_s' must be number, found str"),
-    (_set(1, consumer_ranks=[0, "1"]), 2, "field 'consumer_ranks' must be list of int"),
-    (_set(1, consumer_ranks=[0, 1.5]), 2, "field 'consumer_ranks' must be list of int"),
+    (_set(1, lease_s="30"), 2, "field 'lease_s' must be number, found a string"),
+    (_set(1, consumer_ranks=[0, "1"]), 2,
+     "field 'consumer_ranks' must be list of int, found an array holding a string"),
+    (_set(1, consumer_ranks=[0, 1.5]), 2,
+     "field 'consumer_ranks' must be list of int, found an array holding the number 1.5"),
+    # an integer beyond 64 bits reads as a float: named by its value, not "found float"
+    (lambda lines: lines.__setitem__(1, re.sub(rb'"num_blocks":\d+', b'"num_blocks":' + b"9" * 23,
+                                              lines[1])),
+     2, "field 'num_blocks' must be int, found the number 1e+23"),
+    (_set(2, v=True), 3, "schema version True"),  # JSON's true is no 1
+    (lambda lines: lines.__setitem__(1, b"null"), 2, "expected an object, found null"),
     (_set(3, consumer_rank=KeyError), 4, "missing field 'consumer_rank'"),
     (_set(2, seq=5), 3, "sequence gap in stream prefill-0/P0: expected 2, found 5"),
     (_set(2, seq=1), 3, "sequence repeat"),
     (_set(0, side="X"), 1, "field 'side' must be P or D"),
     (_set(0, rank="0"), 1, "field 'rank' must be int"),
-    (lambda lines: lines.insert(2, b""), 3, "bad JSON"),
+    (lambda lines: lines.__setitem__(2, b'{"v":1}x'), 3,
+     "bad JSON (unexpected content after document at character 8 of the line)"),
 ])
 def test_corrupt_lines_name_file_and_line(tmp_path, mutate, line, message):
     path = _corrupt(tmp_path, mutate)
@@ -269,6 +280,26 @@ def test_corrupt_lines_name_file_and_line(tmp_path, mutate, line, message):
     assert info.value.path == str(path) and info.value.line == line
     assert message in str(info.value)
     assert str(info.value).startswith(f"{path}:{line}:")
+
+
+def test_a_blank_line_is_no_event_and_skipped(tmp_path):
+    """An editor's blank line (one at the end, or between events) made the log unreadable;
+    it holds no event, and the sequence numbers still catch one that went missing."""
+    path, written, _ = _log_of(tmp_path, PState.FREED)
+    lines = path.read_bytes().split(b"\n")[:-1]
+    path.write_bytes(b"\n".join(lines[:2] + [b"", b"  "] + lines[2:]) + b"\n\n")
+    assert read_log(path) == written
+
+
+def test_a_whole_last_line_that_is_wrong_is_corrupt_not_torn(tmp_path):
+    """Only a write cut short (no final newline, no JSON) is a torn line, dropped with a
+    warning; a last line that parses but is wrong (a field of the wrong type, a sequence
+    gap) was written whole, and is named as any other corrupt line."""
+    path, written, _ = _log_of(tmp_path, PState.FREED)
+    lines = path.read_bytes().split(b"\n")[:-1]
+    path.write_bytes(b"\n".join(lines[:-1] + [lines[-1].replace(b'"t":', b'"t":"late","x":')]))
+    with pytest.raises(LogCorrupt, match="field 't' must be number, found a string"):
+        read_log(path)
 
 
 def test_several_logs_read_together(tmp_path):

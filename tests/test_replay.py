@@ -298,6 +298,36 @@ def test_a_directory_without_an_engine_log_is_named(tmp_path, capsys):
     assert f"{tmp_path}: no engine log in this directory" in capsys.readouterr().err
 
 
+def test_check_of_logs_without_an_event_fails_rather_than_passes(tmp_path, capsys):
+    """An empty log (or ``--until`` before every event) checked nothing: it was exit 0."""
+    (empty := tmp_path / "empty.jsonl").write_bytes(b"")
+    assert main(["replay", str(empty), "--check"]) == 2
+    assert "the logs hold no event: nothing to check" in capsys.readouterr().err
+    assert main(["replay", str(empty)]) == 0  # showing nothing is no error
+
+
+def test_a_request_the_logs_do_not_hold_is_named(tmp_path, capsys):
+    e = Engines(tmp_path)
+    e.start_read("req-1", 1.0)
+    e.finish_read("req-1", 2.0)
+    assert main(["replay", *e.close(), "--request", "req-2"]) == 2
+    assert "--request req-2: no event of this request in the logs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--trace", "--svg"])
+def test_a_picture_is_never_written_over_a_log_it_reads(tmp_path, capsys, option):
+    e = Engines(tmp_path)
+    e.start_read("req-1", 1.0)
+    e.finish_read("req-1", 2.0)
+    paths = e.close()
+    before = pathlib.Path(paths[0]).read_bytes()
+    assert main(["replay", *paths, option, paths[0]]) == 2
+    assert f"{option} {paths[0]} is one of the logs replayed" in capsys.readouterr().err
+    assert pathlib.Path(paths[0]).read_bytes() == before
+    assert main(["replay", *paths, option, str(tmp_path / "no" / "such" / "dir.out")]) == 2
+    assert capsys.readouterr().err.startswith(f"kvhandoff replay: {option} {tmp_path}/no/such")
+
+
 def test_corrupt_log_names_file_and_line(tmp_path, capsys):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b'{"v":1,"type":"exported"}\n')

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shlex
+import sys
 
 import orjson
 import pytest
@@ -69,11 +71,42 @@ def test_the_human_summary_names_the_scenarios_and_says_when_all_is_well(capsys)
 
 @pytest.mark.parametrize("args", [["--seeds", "5..2"], ["--seeds", "x"],
                                   ["--scenario", "no_such_scenario"],
-                                  ["--policy", "vllm-0.1"]])
+                                  ["--policy", "vllm-0.1"], ["--jobs", "1000"],
+                                  ["--jobs", "-3"], ["--log-dir", ""]])
 def test_bad_arguments_are_refused(args, capsys):
     with pytest.raises(SystemExit) as e:
         main(["simulate", *args])
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("where", ["a-file", "a-file/below"])
+def test_a_log_dir_that_cannot_be_written_is_named_not_raised(tmp_path, capsys, where):
+    (tmp_path / "a-file").write_bytes(b"")
+    log_dir = str(tmp_path / where)
+    assert main(["simulate", "--scenario", "steady_state", "--seeds", "0..0",
+                 "--log-dir", log_dir]) == 2
+    assert capsys.readouterr().err.startswith(f"kvhandoff simulate: --log-dir {log_dir}: ")
+
+
+def test_a_reader_that_leaves_or_a_full_disk_is_no_traceback(tmp_path, capsys, monkeypatch):
+    """``kvhandoff replay LOG | head`` (the pipe closes under the output) and a full disk
+    (``> /dev/full``) raised tracebacks; now exit 1, with a word on stderr for the disk."""
+    logs = tmp_path / "logs"
+    assert main(["simulate", "--scenario", "swarm", "--seeds", "0..0", "--log-dir",
+                 str(logs)]) == 0
+    capsys.readouterr()
+    replay = ["replay", f"{logs}/swarm.kvhandoff.s0.P.jsonl", f"{logs}/swarm.kvhandoff.s0.D.jsonl"]
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line
+    with open(write_end, "w") as gone:
+        monkeypatch.setattr(sys, "stdout", gone)
+        assert main(replay) == 1
+        assert os.stat(gone.fileno()).st_rdev == os.stat(os.devnull).st_rdev  # quiet from now
+    with open("/dev/full", "w") as full:
+        monkeypatch.setattr(sys, "stdout", full)
+        assert main(["diagram"]) == 1
+    assert capsys.readouterr().err.startswith(
+        "kvhandoff: cannot write the output: No space left on device")
 
 
 def test_worker_processes_give_the_same_answer_as_one(capsys):

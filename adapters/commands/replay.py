@@ -64,12 +64,27 @@ def log_files(paths: list[str]) -> list[str]:
     return files
 
 
+def _refuse(message: str) -> int:
+    print(f"kvhandoff replay: {message}", file=sys.stderr)
+    return 2
+
+
 def run(args) -> int:
     try:
-        events = read_logs(log_files(args.logs))
+        files = log_files(args.logs)
+        events = read_logs(files)
     except (LogCorrupt, OSError) as e:
-        print(f"kvhandoff replay: {printable(e)}", file=sys.stderr)
-        return 2
+        return _refuse(printable(e))
+    for option in ("trace", "svg"):
+        out = getattr(args, option)
+        if out and any(_same_file(out, f) for f in files):
+            return _refuse(f"--{option} {printable(out)} is one of the logs replayed: "
+                           f"it would be overwritten")
+    if args.check and not events:
+        return _refuse("--check: the logs hold no event: nothing to check")
+    if args.request is not None and not any(e.request_id == args.request for e in events):
+        return _refuse(f"--request {printable(args.request)}: no event of this request "
+                       f"in the logs")
     drawn = args.trace or args.svg
     result = replay(events, request=args.request, until=args.until,
                     keep_timeline=not (args.json or drawn))
@@ -78,9 +93,8 @@ def run(args) -> int:
     if drawn:
         try:
             written = write_pictures(events, args)
-        except OSError as e:
-            print(f"kvhandoff replay: {printable(e)}", file=sys.stderr)
-            return 2
+        except _WriteFailed as e:
+            return _refuse(printable(e))
         summary.update(written)
     missing = summary["missing_producers"]
     shown_missing = ", ".join(printable(engine) for engine in missing)
@@ -117,6 +131,25 @@ def run(args) -> int:
     return 0
 
 
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet)
+        return False
+
+
+class _WriteFailed(Exception):
+    """``--trace`` or ``--svg`` could not be written (named, with why)."""
+
+
+def _write(option: str, path: str, data: bytes) -> None:
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+    except OSError as e:
+        raise _WriteFailed(f"--{option} {path}: {e.strerror or e}") from None
+
+
 def write_pictures(events: list, args) -> dict[str, str]:
     """Write ``--trace`` and ``--svg`` for ``events`` narrowed as the timeline is; their paths."""
     from kvhandoff.core.svg import render_svg
@@ -134,12 +167,10 @@ def write_pictures(events: list, args) -> dict[str, str]:
         doc = {"traceEvents": trace_events(tl),
                "otherData": {"source": "kvhandoff replay --trace",
                              "clock": "each engine's own clock, as logged (ts = t x 10^6)"}}
-        with open(args.trace, "wb") as f:
-            f.write(orjson.dumps(doc))
+        _write("trace", args.trace, orjson.dumps(doc))
         written["trace"] = args.trace
     if args.svg:
         title = ", ".join(sorted({str(s) for s in tl.streams}))
-        with open(args.svg, "w", encoding="utf-8") as f:
-            f.write(render_svg([(title, tl)], request=args.request))
+        _write("svg", args.svg, render_svg([(title, tl)], request=args.request).encode())
         written["svg"] = args.svg
     return written

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import orjson
 import structlog
 
+from kvhandoff.core.replay import printable
 from kvhandoff.simulations.config import POLICIES
 from kvhandoff.simulations.runner import sweep
 from kvhandoff.simulations.scenarios import SCENARIOS, names
@@ -36,6 +37,26 @@ def parse_seeds(text: str) -> range:
     if lo < 0 or hi < lo:
         raise argparse.ArgumentTypeError(f"seeds {text!r}: expected 0 <= A <= B")
     return range(lo, hi + 1)
+
+
+MAX_JOBS = 64
+
+
+def parse_jobs(text: str) -> int:
+    """Worker processes: 0 (one per core for a large sweep) up to `MAX_JOBS`."""
+    try:
+        jobs = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"jobs {text!r}: expected a whole number") from None
+    if not 0 <= jobs <= MAX_JOBS:
+        raise argparse.ArgumentTypeError(f"jobs {jobs}: expected 0 (one per core) to {MAX_JOBS}")
+    return jobs
+
+
+def log_dir(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("an empty directory name")
+    return text
 
 
 def scenario_list(name: str) -> list[str]:
@@ -58,12 +79,12 @@ def add_parser(sub) -> None:
                    help="seeds to run, inclusive (default: 0..99)")
     p.add_argument("--policy", default="kvhandoff", choices=POLICIES,
                    help="decode-side policy: this project's, or a model of vLLM 0.32's")
-    p.add_argument("--log-dir", metavar="DIR",
+    p.add_argument("--log-dir", metavar="DIR", type=log_dir,
                    help="write each run's P and D event logs here (for kvhandoff replay)")
     p.add_argument("--replay", action="store_true",
                    help="also fold each run's logs with `kvhandoff replay --check`'s checker "
                         "and report its violations")
-    p.add_argument("--jobs", type=int, default=0, metavar="N",
+    p.add_argument("--jobs", type=parse_jobs, default=0, metavar="N",
                    help="worker processes; 0 (default): one per core for sweeps of 64 runs or "
                         "more. Results, log_hash included, do not depend on N")
     p.add_argument("--check", action="store_true", help="exit 1 on any violation")
@@ -103,9 +124,17 @@ def run(args) -> int:
     if jobs <= 0:
         runs = len(args.scenario) * len(args.seeds)
         jobs = min(os.cpu_count() or 1, 8) if runs >= 64 else 1
-    with engine_logs(args.engine_logs):
-        summary = sweep(args.scenario, args.seeds, args.policy, log_dir=args.log_dir,
-                        jobs=jobs, replay_check=args.replay)
+    try:
+        if args.log_dir:
+            os.makedirs(args.log_dir, exist_ok=True)
+        with engine_logs(args.engine_logs):
+            summary = sweep(args.scenario, args.seeds, args.policy, log_dir=args.log_dir,
+                            jobs=jobs, replay_check=args.replay)
+    except OSError as e:  # the logs could not be written where --log-dir says
+        where = f" ({printable(e.filename)})" if e.filename else ""
+        print(f"kvhandoff simulate: --log-dir {printable(args.log_dir)}: {e.strerror or e}"
+              f"{where}", file=sys.stderr)
+        return 2
     result = summary.as_dict()
     if args.json:
         sys.stdout.write(orjson.dumps(result).decode() + "\n")
