@@ -67,6 +67,9 @@ def test_the_human_summary_names_the_scenarios_and_says_when_all_is_well(capsys)
     assert main(["simulate", "--scenario", "tp2_split_reads", "--seeds", "3..5"]) == 0
     text = capsys.readouterr().out
     assert "tp2_split_reads" in text and "no violations" in text
+    # a column for every metric a violation is counted by (served_unproven had none)
+    header = text.splitlines()[1].split()
+    assert {"corrupt", "unproven", "dbl_free", "leaks", "stuck"} <= set(header), header
 
 
 @pytest.mark.parametrize("args", [["--seeds", "5..2"], ["--seeds", "x"],

@@ -144,8 +144,10 @@ def run(args) -> int:
 
 
 COLUMNS = ("runs", "requests", "served", "failed", "cancelled", "freed_under_read",
-           "served_corrupt", "double_frees", "leaks", "stuck", "ignored_notifications")
+           "served_corrupt", "served_unproven", "double_frees", "leaks", "stuck",
+           "ignored_notifications")
 SHORT = {"freed_under_read": "freed_u_read", "served_corrupt": "corrupt",
+         "served_unproven": "unproven",
          "double_frees": "dbl_free", "ignored_notifications": "ignored"}
 
 
