@@ -693,6 +693,33 @@ def test_a_completion_the_engine_raised_on_still_ends_the_request_once(workers, 
     assert p_kinds.count("freed") == 1 and "lease_expired" in p_kinds  # D let go of it
 
 
+def test_p_keeps_a_bounded_number_of_consumers_connected(workers, monkeypatch, tmp_path):
+    """Each hello connects a NIXL agent: past MAX_CONSUMERS, P refuses the hello of a D it
+    does not know (D fails that request as handshake_failed, naming the bound) and keeps
+    serving the Ds it has."""
+    from kvhandoff.adapters.vllm import producer as producer_mod
+
+    p, d, pc, dc, port = workers
+    monkeypatch.setattr(producer_mod, "MAX_CONSUMERS", 1)
+    _done_handoff(p, d, port, "r8", "L8", (6,), "tok-8", [5])  # D: the one P keeps
+    extra = {"lease_s": LEASE, "log_dir": str(tmp_path / "d2"), "side_channel_port": port}
+    d2 = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "D-w2", Side.D, 0, 1, COMPAT,
+                       p.clock)
+    try:
+        d2.register_kv_caches(_caches(False), LAYOUT)
+        _export(p, "r8b", 1, "tok-8b")
+        with capture_logs() as logs:
+            d2.start_step(StepPlan(admits=[Admit("L8b", _params("r8b", port, (7,), "tok-8b"),
+                                                 "", BLOCK)], reads=[Read("L8b", [[7]])]))
+            _pump(p, d2, lambda s, r, f: "L8b" in f)
+        assert d2.total["rejected_handshake_failed"] == 1
+        assert any("1 consumers connected (at most 1)" in str(x.get("error")) for x in logs), logs
+        assert len(p._consumers) == 1
+    finally:
+        d2.close()
+    _done_handoff(p, d, port, "r8c", "L8c", (8,), "tok-8c", [9])  # the first D still reads
+
+
 def test_addresses_from_requests_cost_d_a_bounded_number_of_threads_and_entries(
         workers, monkeypatch):
     """Each request may name another P address (any port of loopback is trusted by

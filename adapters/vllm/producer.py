@@ -39,6 +39,10 @@ from kvhandoff.core.producer import ProducerStep
 
 log = structlog.get_logger(__name__)
 
+# D agents one P rank keeps connected (a NIXL remote agent each, with its connection):
+# a hello beyond it is refused until the liveness probes find connected ones gone.
+MAX_CONSUMERS = 4096
+
 
 class _FastGilSwitch:
     """The process's GIL switch interval, at most ``interval_s`` while any P worker's
@@ -69,6 +73,12 @@ class ProducerHalf:
     def _on_hello(self, hello: dict[str, Any], metadata: bytes) -> bytes:
         with self.lock:
             agent = self.transport.add_peer(metadata)
+            if agent not in self._consumers and len(self._consumers) >= MAX_CONSUMERS:
+                self.transport.remove_peer(agent)  # (NIXL connects as it loads: bounded after)
+                raise ConnectionRefusedError(
+                    f"this P rank has {len(self._consumers)} consumers connected (at most "
+                    f"{MAX_CONSUMERS}); one found gone makes room")
+            self._consumers.add(agent)
             log.info("vllm.worker.consumer_connected", consumer=hello["engine_id"], agent=agent)
             return self.transport.metadata()
 
@@ -160,4 +170,5 @@ class ProducerHalf:
     def _p_drop_lost_consumers(self) -> None:
         for agent in self.transport.lost_peers():  # a D that died: its leases lapse on their own
             self.transport.remove_peer(agent)
+            self._consumers.discard(agent)
             log.warning("vllm.worker.consumer_lost", agent=agent)

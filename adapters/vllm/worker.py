@@ -135,6 +135,7 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         self._stop = threading.Event()
         self._report_sending: set[str] = set()  # freed, vLLM not told yet
         self.fence: Any = None  # P: its fence slots (`core.fence`)
+        self._consumers: set[str] = set()  # P: D agents connected by a hello (bounded)
         # D
         self._peers: dict[tuple[str, int], ProducerLink] = {}  # (host, port) -> peer
         self._refused: dict[tuple[str, int], tuple[float, str, str]] = {}  # (when, why, class)
