@@ -10,10 +10,10 @@ With ``--json`` a command prints exactly one JSON object on stdout.
 from __future__ import annotations
 
 import argparse
-import errno
 import importlib
 import os
 import sys
+from typing import TextIO
 
 import orjson
 import structlog
@@ -64,24 +64,59 @@ def main(argv: list[str] | None = None) -> int:
         # swaps sys.stderr (a test harness, an embedding app) is followed.
         structlog.configure(logger_factory=lambda *_: structlog.PrintLogger(sys.stderr))
     args = build_parser(argv).parse_args(argv)
+    real, sys.stdout = sys.stdout, _Stdout(sys.stdout)
     try:
         status = _run(args)
         sys.stdout.flush()  # a full disk or a closed pipe shows here, not at exit
-    except BrokenPipeError:  # the reader left (``kvhandoff replay LOG | head``): not an error
-        _stdout_to_devnull()
+    except _StdoutFailed as failed:
+        error = failed.__cause__
+        if not isinstance(error, BrokenPipeError):  # (the reader left: `| head`, no error)
+            print(f"kvhandoff: cannot write the output: {error.strerror or error}", file=sys.stderr)
+        _quiet(real)
         return 1
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EIO, errno.EDQUOT):
-            raise
-        print(f"kvhandoff: cannot write the output: {e.strerror}", file=sys.stderr)
-        _stdout_to_devnull()
-        return 1
+    finally:
+        sys.stdout = real
     return status
 
 
-def _stdout_to_devnull() -> None:
-    """What stdout still buffers goes nowhere: its flush at exit would raise again."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+class _StdoutFailed(Exception):
+    """Writing the command's output failed (the OSError is its cause)."""
+
+
+class _Stdout:
+    """``sys.stdout`` while a command runs: its write errors are told apart from any other
+    OSError (a socket, a log file), which stays the command's own."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            raise _StdoutFailed from e
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as e:
+            raise _StdoutFailed from e
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def _quiet(stream: TextIO) -> None:
+    """What the failed output still buffers goes nowhere: its flush at exit would raise."""
+    try:
+        fd = stream.fileno()
+    except (OSError, ValueError):  # not a file (a test's or an application's stream)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -685,7 +685,8 @@ class ConsumerEngine(LedgerEngine):
         del self._reading[rid]
         ok = rec.state is DState.RECEIVED
         reason = "" if ok else (rec.failed or why or self._unproven(rec, verdict, now))
-        abandoned = not ok and rec.cancelled and verdict is Verdict.PENDING and not rec.failed
+        abandoned = (not ok and rec.cancelled and verdict is Verdict.PENDING and not rec.failed
+                     and not why)
         step.finished.append(Finished(rid, ok, verdict, reason, abandoned))
         self._release(rid, now, not ok, step)
 

@@ -312,8 +312,8 @@ class _Reader:
             raise LogCorrupt(path, lineno, f"expected an object, found {_found(obj)}")
         version = obj.get("v")
         if type(version) is not int or version != SCHEMA_VERSION:
-            raise LogCorrupt(path, lineno, f"schema version {version!r}, "
-                                           f"expected {SCHEMA_VERSION}")
+            raise LogCorrupt(path, lineno, f"schema version {orjson.dumps(version).decode()[:40]}"
+                                           f", expected {SCHEMA_VERSION}")
         kind = obj.get("type")
         decoder = _DECODERS.get(kind) if type(kind) is str else None
         if decoder is None:

@@ -308,6 +308,15 @@ def test_a_cancelled_request_whose_read_failed_or_p_freed_is_not_merely_abandone
     assert not any(f.ok or f.abandoned for f in finished.values()), finished
 
 
+def test_a_cancelled_request_the_driver_gave_up_is_not_merely_abandoned(engine):
+    """The driver's give-up (an error of its own) is a failure whatever the client did."""
+    _reading(engine)
+    engine.split_done("r1", 0, 0.3)
+    engine.cancel("r1", 0.3)  # (not polled: the give-up comes first)
+    (f,) = engine.give_up("r1", 0.3, "boom").finished
+    assert not f.ok and not f.abandoned and f.reason == "given up: boom", f
+
+
 def test_an_answer_from_another_agent_proves_nothing(engine):
     _reading(engine)
     _beat(engine, 0.0)

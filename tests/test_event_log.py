@@ -263,7 +263,7 @@ def _set(index, **changes):
     (lambda lines: lines.__setitem__(1, re.sub(rb'"num_blocks":\d+', b'"num_blocks":' + b"9" * 23,
                                               lines[1])),
      2, "field 'num_blocks' must be int, found the number 1e+23"),
-    (_set(2, v=True), 3, "schema version True"),  # JSON's true is no 1
+    (_set(2, v=True), 3, "schema version true, expected 1"),  # JSON's true is no 1
     (lambda lines: lines.__setitem__(1, b"null"), 2, "expected an object, found null"),
     (_set(3, consumer_rank=KeyError), 4, "missing field 'consumer_rank'"),
     (_set(2, seq=5), 3, "sequence gap in stream prefill-0/P0: expected 2, found 5"),
@@ -289,6 +289,9 @@ def test_a_blank_line_is_no_event_and_skipped(tmp_path):
     lines = path.read_bytes().split(b"\n")[:-1]
     path.write_bytes(b"\n".join(lines[:2] + [b"", b"  "] + lines[2:]) + b"\n\n")
     assert read_log(path) == written
+    path.write_bytes(b"\n".join(lines[:2] + [b""] + lines[3:]) + b"\n")  # one lost there
+    with pytest.raises(LogCorrupt, match=f"{path}:4: sequence gap"):
+        read_log(path)
 
 
 def test_a_whole_last_line_that_is_wrong_is_corrupt_not_torn(tmp_path):

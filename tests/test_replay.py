@@ -302,8 +302,15 @@ def test_check_of_logs_without_an_event_fails_rather_than_passes(tmp_path, capsy
     """An empty log (or ``--until`` before every event) checked nothing: it was exit 0."""
     (empty := tmp_path / "empty.jsonl").write_bytes(b"")
     assert main(["replay", str(empty), "--check"]) == 2
-    assert "the logs hold no event: nothing to check" in capsys.readouterr().err
+    assert "--check: no event was folded: nothing was checked" in capsys.readouterr().err
     assert main(["replay", str(empty)]) == 0  # showing nothing is no error
+    e = Engines(tmp_path)
+    e.start_read("req-1", 1.0)
+    e.finish_read("req-1", 2.0)
+    paths = e.close()
+    assert main(["replay", *paths, "--until", "-1", "--check"]) == 2
+    assert "nothing was checked" in capsys.readouterr().err
+    assert main(["replay", *paths, "--until", "0", "--check"]) == 0
 
 
 def test_a_request_the_logs_do_not_hold_is_named(tmp_path, capsys):

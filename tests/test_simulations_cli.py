@@ -12,6 +12,8 @@ import structlog
 import structlog.testing
 
 from kvhandoff.adapters.cli import main
+from kvhandoff.adapters.commands.simulate import COLUMNS
+from kvhandoff.simulations.world import VIOLATION_METRICS
 
 FIELDS = ("runs", "requests", "freed_under_read", "served_corrupt", "double_frees", "leaks",
           "stuck", "ignored_notifications", "log_hash", "requests_per_s", "violations")
@@ -69,7 +71,7 @@ def test_the_human_summary_names_the_scenarios_and_says_when_all_is_well(capsys)
     assert "tp2_split_reads" in text and "no violations" in text
     # a column for every metric a violation is counted by (served_unproven had none)
     header = text.splitlines()[1].split()
-    assert {"corrupt", "unproven", "dbl_free", "leaks", "stuck"} <= set(header), header
+    assert len(header) == len(COLUMNS) + 1 and set(VIOLATION_METRICS) <= set(COLUMNS), header
 
 
 @pytest.mark.parametrize("args", [["--seeds", "5..2"], ["--seeds", "x"],
@@ -108,8 +110,22 @@ def test_a_reader_that_leaves_or_a_full_disk_is_no_traceback(tmp_path, capsys, m
     with open("/dev/full", "w") as full:
         monkeypatch.setattr(sys, "stdout", full)
         assert main(["diagram"]) == 1
+        assert sys.stdout is full  # given back as it was
     assert capsys.readouterr().err.startswith(
         "kvhandoff: cannot write the output: No space left on device")
+
+
+def test_an_os_error_that_is_not_the_output_s_is_not_blamed_on_it(monkeypatch, tmp_path):
+    """Only a failed write of stdout ends quietly; any other OSError stays the command's
+    (here a sweep that cannot start its workers, with and without --log-dir)."""
+    from kvhandoff.adapters.commands import simulate
+
+    def sweep(*args, **kwargs):
+        raise OSError(38, "Function not implemented")
+    monkeypatch.setattr(simulate, "sweep", sweep)
+    for extra in ([], ["--log-dir", str(tmp_path)]):
+        with pytest.raises(OSError, match="Function not implemented"):
+            main(["simulate", "--scenario", "steady_state", "--seeds", "0..0", *extra])
 
 
 def test_worker_processes_give_the_same_answer_as_one(capsys):

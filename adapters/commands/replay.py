@@ -80,8 +80,6 @@ def run(args) -> int:
         if out and any(_same_file(out, f) for f in files):
             return _refuse(f"--{option} {printable(out)} is one of the logs replayed: "
                            f"it would be overwritten")
-    if args.check and not events:
-        return _refuse("--check: the logs hold no event: nothing to check")
     if args.request is not None and not any(e.request_id == args.request for e in events):
         return _refuse(f"--request {printable(args.request)}: no event of this request "
                        f"in the logs")
@@ -89,6 +87,8 @@ def run(args) -> int:
     result = replay(events, request=args.request, until=args.until,
                     keep_timeline=not (args.json or drawn))
     summary = result.summary()
+    if args.check and not summary["events"]:  # an empty log, or --until before every event
+        return _refuse("--check: no event was folded: nothing was checked")
     written: dict[str, str] = {}
     if drawn:
         try:

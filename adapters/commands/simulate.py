@@ -22,6 +22,7 @@ from kvhandoff.core.replay import printable
 from kvhandoff.simulations.config import POLICIES
 from kvhandoff.simulations.runner import sweep
 from kvhandoff.simulations.scenarios import SCENARIOS, names
+from kvhandoff.simulations.world import VIOLATION_METRICS
 
 
 def parse_seeds(text: str) -> range:
@@ -125,12 +126,12 @@ def run(args) -> int:
         runs = len(args.scenario) * len(args.seeds)
         jobs = min(os.cpu_count() or 1, 8) if runs >= 64 else 1
     try:
-        if args.log_dir:
-            os.makedirs(args.log_dir, exist_ok=True)
         with engine_logs(args.engine_logs):
             summary = sweep(args.scenario, args.seeds, args.policy, log_dir=args.log_dir,
                             jobs=jobs, replay_check=args.replay)
     except OSError as e:  # the logs could not be written where --log-dir says
+        if not (args.log_dir and e.filename and _under(os.fspath(e.filename), args.log_dir)):
+            raise
         where = f" ({printable(e.filename)})" if e.filename else ""
         print(f"kvhandoff simulate: --log-dir {printable(args.log_dir)}: {e.strerror or e}"
               f"{where}", file=sys.stderr)
@@ -143,12 +144,17 @@ def run(args) -> int:
     return 1 if args.check and summary.violations else 0
 
 
+def _under(path: str, directory: str) -> bool:
+    path, directory = os.path.abspath(path), os.path.abspath(directory)
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
 COLUMNS = ("runs", "requests", "served", "failed", "cancelled", "freed_under_read",
-           "served_corrupt", "served_unproven", "double_frees", "leaks", "stuck",
-           "ignored_notifications")
+           *VIOLATION_METRICS, "ignored_notifications")
 SHORT = {"freed_under_read": "freed_u_read", "served_corrupt": "corrupt",
-         "served_unproven": "unproven",
-         "double_frees": "dbl_free", "ignored_notifications": "ignored"}
+         "served_unproven": "unproven", "double_frees": "dbl_free",
+         "overwritten_under_read": "overwritten", "refused_events": "refused",
+         "ignored_notifications": "ignored"}
 
 
 def _print(result: dict, log_dir: str | None) -> None:
