@@ -84,6 +84,21 @@ def test_bad_arguments_are_refused(args, capsys):
     assert e.value.code == 2
 
 
+def test_replay_of_a_simulate_log_dir_says_how_to_replay_its_runs(tmp_path, capsys):
+    """The runs of a sweep reuse the engines' names: they are replayed one at a time, and
+    `kvhandoff replay DIR` says so with the first run's two files (it said only that DIR
+    held no engine log)."""
+    logs = str(tmp_path)
+    assert main(["simulate", "--scenario", "steady_state", "--seeds", "3..4",
+                 "--log-dir", logs]) == 0
+    capsys.readouterr()
+    assert main(["replay", logs, "--check"]) == 2
+    err = capsys.readouterr().err
+    first = f"{logs}/steady_state.kvhandoff.s3"
+    assert f"each replayed alone: {first}.P.jsonl {first}.D.jsonl" in err, err
+    assert main(["replay", *err.rsplit(": ", 1)[1].split(), "--check"]) == 0
+
+
 @pytest.mark.parametrize("where", ["a-file", "a-file/below"])
 def test_a_log_dir_that_cannot_be_written_is_named_not_raised(tmp_path, capsys, where):
     (tmp_path / "a-file").write_bytes(b"")
