@@ -152,6 +152,7 @@ class _Request:
 
 
 _UNSAFE = "a read completed after P may have freed its blocks (P answered: gone)"
+_ABANDONED = "the client cancelled before P proved it held the blocks"  # `Finished.abandoned`
 
 
 class ConsumerEngine(LedgerEngine):
@@ -685,9 +686,7 @@ class ConsumerEngine(LedgerEngine):
         del self._reading[rid]
         ok = rec.state is DState.RECEIVED
         reason = "" if ok else (rec.failed or why or self._unproven(rec, verdict, now))
-        abandoned = (not ok and rec.cancelled and verdict is Verdict.PENDING and not rec.failed
-                     and not why)
-        step.finished.append(Finished(rid, ok, verdict, reason, abandoned))
+        step.finished.append(Finished(rid, ok, verdict, reason, reason is _ABANDONED))
         self._release(rid, now, not ok, step)
 
     def _unproven(self, rec: ConsumerRecord, verdict: Verdict, now: float) -> str:
@@ -696,7 +695,7 @@ class ConsumerEngine(LedgerEngine):
         if verdict is not Verdict.PENDING:
             return "nothing D may serve"
         if rec.cancelled:
-            return "the client cancelled before P proved it held the blocks"
+            return _ABANDONED
         timeout_s = self.timing.read_timeout_s
         if now <= read_deadline(rec, timeout_s):  # `report_now`: vLLM 0.32's D
             return "reported without P's word"

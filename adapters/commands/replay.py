@@ -60,9 +60,9 @@ def log_files(paths: list[str]) -> list[str]:
         if not found:
             runs = sorted(name[:-len(".P.jsonl")] for name in os.listdir(path)
                           if name.endswith(".P.jsonl"))
+            first = os.path.join(path, runs[0]) if runs else ""
             hint = (f"; it holds `kvhandoff simulate --log-dir` runs, each replayed alone: "
-                    f"{os.path.join(path, runs[0])}.P.jsonl {os.path.join(path, runs[0])}.D.jsonl"
-                    if runs else "")
+                    f"{first}.P.jsonl {first}.D.jsonl" if runs else "")
             raise FileNotFoundError(f"{path}: no engine log in this directory "
                                     f"(<engine_id>.<P|D><rank>.jsonl){hint}")
         files.extend(found)

@@ -132,9 +132,8 @@ def run(args) -> int:
     except OSError as e:  # the logs could not be written where --log-dir says
         if not (args.log_dir and e.filename and _under(os.fspath(e.filename), args.log_dir)):
             raise
-        where = f" ({printable(e.filename)})" if e.filename else ""
-        print(f"kvhandoff simulate: --log-dir {printable(args.log_dir)}: {e.strerror or e}"
-              f"{where}", file=sys.stderr)
+        print(f"kvhandoff simulate: --log-dir {printable(args.log_dir)}: {e.strerror or e} "
+              f"({printable(e.filename)})", file=sys.stderr)
         return 2
     result = summary.as_dict()
     if args.json:
