@@ -335,6 +335,26 @@ def test_a_picture_is_never_written_over_a_log_it_reads(tmp_path, capsys, option
     assert capsys.readouterr().err.startswith(f"kvhandoff replay: {option} {tmp_path}/no/such")
 
 
+@pytest.mark.parametrize("bad", ["--trace", "--svg"])
+def test_an_output_that_cannot_be_written_leaves_the_other_unwritten(tmp_path, capsys, bad):
+    """Both outputs are checked before either is written: a bad ``--svg`` after a good
+    ``--trace`` left the trace written, with exit 2."""
+    e = Engines(tmp_path)
+    e.start_read("req-1", 1.0)
+    e.finish_read("req-1", 2.0)
+    paths = e.close()
+    good = "--svg" if bad == "--trace" else "--trace"
+    out = tmp_path / "good.out"
+    for target, why in ((tmp_path, "is a directory"),
+                        (tmp_path / "no" / "such.out", "no such directory")):
+        files = {good: out, bad: target}
+        for first, second in ((good, bad), (bad, good)):
+            assert main(["replay", *paths, first, str(files[first]),
+                         second, str(files[second])]) == 2
+            assert capsys.readouterr().err == f"kvhandoff replay: {bad} {target}: {why}\n"
+            assert not out.exists()
+
+
 def test_corrupt_log_names_file_and_line(tmp_path, capsys):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b'{"v":1,"type":"exported"}\n')

@@ -85,6 +85,9 @@ def run(args) -> int:
         if out and any(_same_file(out, f) for f in files):
             return _refuse(f"--{option} {printable(out)} is one of the logs replayed: "
                            f"it would be overwritten")
+        why = out and _unwritable(out)
+        if why:  # checked before anything is written: no --trace left behind a bad --svg
+            return _refuse(f"--{option} {printable(out)}: {why}")
     if args.request is not None and not any(e.request_id == args.request for e in events):
         return _refuse(f"--request {printable(args.request)}: no event of this request "
                        f"in the logs")
@@ -141,6 +144,18 @@ def _same_file(a: str, b: str) -> bool:
         return os.path.samefile(a, b)
     except OSError:  # one of them does not exist (yet)
         return False
+
+
+def _unwritable(path: str) -> str:
+    """Why ``path`` cannot be written, or "" when it looks as if it can."""
+    if os.path.isdir(path):
+        return "is a directory"
+    if os.path.exists(path):
+        return "" if os.access(path, os.W_OK) else "permission denied"
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent):
+        return "no such directory"
+    return "" if os.access(parent, os.W_OK | os.X_OK) else "permission denied"
 
 
 class _WriteFailed(Exception):
