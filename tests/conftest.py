@@ -2,18 +2,24 @@
 
 Hypothesis: the ``ci`` profile (derandomised, no example database) is used when
 ``CI`` is set (``.ci/run`` sets it); ``dev`` explores more locally.
+``tests/mutants.py`` runs the ``ci`` profile without shrinking (``KVH_MUTANT``
+set): the same examples, so the same tests kill a mutant, without the minutes
+spent making each failure minimal.
 """
 
 import os
 import threading
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 settings.register_profile("ci", derandomize=True, database=None, max_examples=60,
                           deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("mutant", settings.get_profile("ci"),
+                          phases=[p for p in Phase if p is not Phase.shrink])
 settings.register_profile("dev", max_examples=200, deadline=None)
-settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+settings.load_profile("mutant" if os.environ.get("KVH_MUTANT") else "ci" if os.environ.get("CI")
+                      else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
 def wait_for(predicate, timeout, what, interval=0.02):

@@ -11,7 +11,7 @@ exactly once (a moved or edited rule fails loudly here, and the cheap CI test
 silently disable a mutant).  The tree is copied to a temporary directory, the
 mutant applied there (the worktree is never touched), and the copy is imported
 as ``kvhandoff`` through a ``PYTHONPATH`` shim.  Then, with the CI profile
-(``CI=1``):
+(``CI=1``; ``KVH_MUTANT=1``: Hypothesis without shrinking, the same examples):
 
 1. the model test alone (``tests/test_lifecycle_model.py``), and
 2. the non-vLLM suite (`SUITE`: core, model, policy, replay, messages, event
@@ -259,7 +259,8 @@ def _copy_tree(dst: pathlib.Path) -> pathlib.Path:
 
 def _pytest(tree: pathlib.Path, files: tuple[str, ...] | list[str], timeout: int) -> tuple[bool, str]:
     """Run pytest in ``tree`` (imported as kvhandoff): (passed, first failing test)."""
-    env = dict(os.environ, CI="1", PYTHONPATH=str(tree.parent), PYTHONDONTWRITEBYTECODE="1")
+    env = dict(os.environ, CI="1", KVH_MUTANT="1", PYTHONPATH=str(tree.parent),
+               PYTHONDONTWRITEBYTECODE="1")
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-x", "-rf", "-p", "no:cacheprovider",

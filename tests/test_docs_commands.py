@@ -10,7 +10,7 @@ into that directory.  Output blocks are checked line by line against what
 the commands print, so a doc whose sample drifted from the code fails here.
 Template lines (``kvhandoff simulate ... --json``) run with ``...`` filled in, and
 one-line commands printed in the docs' prose (the picture's redraw, ``kvhandoff
-diagram``, ``tests/mutants.py --check``, the shim's install) run or are matched
+diagram``, ``tests/mutants.py --check`` and ``--only``, the shim's install) run or are matched
 with what runs them.  (The operator guide's recipe, ``make demo`` and
 ``kvhandoff demo --http`` run in tests/test_guide.py.)
 """
@@ -252,3 +252,21 @@ def test_the_guide_installs_the_version_shim_as_make_setup_does():
                     "pip install --no-deps --no-build-isolation adapters/vllm/dist_shim")
     make = (ROOT / "Makefile").read_text()
     assert guide.replace("pip install", "pip install -q").replace(" adapters/", " ./adapters/") in make
+
+
+@pytest.mark.parametrize("command", ["python tests/mutants.py --only drop_peer_binding",
+                                     "python tests/mutants.py --suite sim --only drop_peer_binding"])
+def test_a_mutant_run_as_printed_is_killed_and_says_by_what(command):
+    """One mutant through the CI suite, and through the simulator's searches alone: the
+    table row says which test killed it, and the run exits 0 (1 only when one survives)."""
+    done = run(printed(ROOT / "docs" / "testing.md", command), ROOT)
+    assert done.returncode == 0, (done.stdout, done.stderr[-2000:])
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| `drop_peer"))
+    first = row.rsplit("|", 2)[1].strip().strip("`")
+    assert row.split("|")[3:5] == [" killed ", " killed "], row
+    assert first.startswith("tests/test_") and "::" in first, row
+    if "--suite sim" in command:
+        from mutants import SIM_SUITE
+
+        assert first.split("::")[0] in SIM_SUITE, row
+    assert "1 of 1 killed by the suite" in done.stdout
