@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import signal
@@ -187,10 +189,21 @@ def test_a_restart_within_the_same_second_keeps_every_predecessor_s_log(tmp_path
     ({"failure_policy": "recompute"}, "fail", "failure_policy"),
     ({"failure_policy": "retry"}, "retry", "failure_policy"),
     ({"debug_read_delay_param": 1}, "fail", "debug_read_delay_param"),
+    # vLLM reads --kv-transfer-config with json.loads, which takes NaN and Infinity: a NaN
+    # passed every range check, then every handshake failed or P's notification thread died.
+    *(({key: bad}, "fail", key) for bad in (math.nan, math.inf, -math.inf, 10**400)
+      for key in ("lease_s", "heartbeat_interval_s", "lease_margin_s", "read_timeout_s",
+                  "handshake_timeout_s", "notif_poll_s", "idle_poll_s", "debug_read_delay_s")),
 ])
 def test_config_refuses_bad_values_at_start(extra, policy, key):
     with pytest.raises(ConnectorConfigError, match=key):
         HandoffConfig.from_extra(extra, policy, env={})
+
+
+def test_config_takes_nan_and_infinity_from_the_json_vllm_reads_as_bad_values():
+    extra = json.loads('{"handshake_timeout_s": NaN, "idle_poll_s": Infinity}')
+    with pytest.raises(ConnectorConfigError, match=r"handshake_timeout_s.*a finite number, found nan"):
+        HandoffConfig.from_extra(extra, "fail", env={})
 
 
 LAYOUT = one_group_layout(["l.0", "l.1"], 64, 128, 131072)

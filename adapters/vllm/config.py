@@ -107,8 +107,11 @@ class HandoffConfig:
                 continue
             v = extra[f.name]
             if f.type in ("float", float):
-                if isinstance(v, bool) or not isinstance(v, int | float):
-                    raise ConnectorConfigError(f.name, "a number", v)
+                # JSON as vLLM reads it (`json.loads`) takes NaN and Infinity: a NaN passes
+                # every range check below and fails mid-request (a wait of NaN seconds).
+                # (Compared, not `math.isfinite`: an int past a float's range raises there.)
+                if isinstance(v, bool) or not isinstance(v, int | float) or not -1e18 < v < 1e18:
+                    raise ConnectorConfigError(f.name, "a finite number", v)
                 v = float(v)
             elif f.type in ("bool", bool):
                 if not isinstance(v, bool):
