@@ -49,8 +49,6 @@ import math
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
-import structlog
-
 from kvhandoff.core.errors import LifecycleError, MalformedMessage
 from kvhandoff.core.events import (
     Admitted,
@@ -93,8 +91,9 @@ from kvhandoff.core.policy import (
     report_due,
     to_forget,
 )
+from kvhandoff.core.safelog import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 

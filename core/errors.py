@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from kvhandoff.core.safelog import bounded_repr
+
 
 class LifecycleError(Exception):
     """Base class of every error the core raises."""
@@ -29,7 +31,7 @@ class GeometryMismatch(LifecycleError):
 
     def __init__(self, what: str, expected: object, found: object) -> None:
         self.what, self.expected, self.found = what, expected, found
-        super().__init__(f"{what}: expected {expected!r}, found {found!r}")
+        super().__init__(f"{what}: expected {bounded_repr(expected)}, found {bounded_repr(found)}")
 
 
 class MalformedMessage(LifecycleError):

@@ -46,6 +46,7 @@ from enum import StrEnum
 from typing import Any
 
 from kvhandoff.core.errors import GeometryMismatch, MalformedMessage
+from kvhandoff.core.safelog import bounded_repr
 
 SCHEMA_VERSION = 1
 
@@ -223,14 +224,14 @@ class CacheLayout:
             raise MalformedGroups(None, "", f"must be an object, found {type(obj).__name__}")
         version = obj.get("version")
         if version != SCHEMA_VERSION:
-            raise MalformedGroups(None, "version", f"must be {SCHEMA_VERSION}, found {version!r}")
+            raise MalformedGroups(None, "version", f"must be {SCHEMA_VERSION}, found {bounded_repr(version)}")
         groups = obj.get("groups")
         if not isinstance(groups, list) or not groups:
             raise MalformedGroups(None, "groups", "must be a non-empty list")
         parsed = tuple(_group_from_wire(i, g) for i, g in enumerate(groups))
         spec = obj.get("speculative_tokens", 0)
         if type(spec) is not int or spec < 0:
-            raise MalformedGroups(None, "speculative_tokens", f"must be an int >= 0, found {spec!r}")
+            raise MalformedGroups(None, "speculative_tokens", f"must be an int >= 0, found {bounded_repr(spec)}")
         layout = cls(parsed, speculative_tokens=spec)
         physical_regions(layout.groups)  # one block size per shared region
         return layout
@@ -279,7 +280,7 @@ def physical_regions(groups: Iterable[CacheGroup]) -> tuple[CacheRegion, ...]:
             if first is None:
                 seen[r.name] = (g.index, r)
             elif first[1].block_bytes != r.block_bytes:
-                raise GroupMismatch(g.index, f"regions[{r.name!r}].block_bytes (shared with "
+                raise GroupMismatch(g.index, f"regions[{bounded_repr(r.name)}].block_bytes (shared with "
                                     f"group {first[0]})", first[1].block_bytes, r.block_bytes)
     return tuple(r for _, r in seen.values())
 
@@ -335,7 +336,7 @@ def tensor_regions(tensors: Sequence[TensorPlacement], page_bytes: Mapping[str, 
         for layer, (offset, block_bytes) in zip(t.layers, spots, strict=True):
             if offset + (num_blocks - 1) * t.block_stride + block_bytes > t.size:
                 raise GroupMismatch(None, f"kv_cache_tensors[{i}].size",
-                                    f"room for {num_blocks} blocks of {layer!r}", t.size)
+                                    f"room for {num_blocks} blocks of {bounded_repr(layer)}", t.size)
             if layer in places:
                 raise GroupMismatch(None, f"kv_cache_tensors[{i}].layers",
                                     "each layer in one tensor", layer)
@@ -345,7 +346,7 @@ def tensor_regions(tensors: Sequence[TensorPlacement], page_bytes: Mapping[str, 
     for layer, (offset, block_bytes) in places.items():
         region = by_place.setdefault(offset, CacheRegion(layer, block_bytes, offset=offset))
         if region.block_bytes != block_bytes:
-            raise GroupMismatch(None, f"layer {layer!r} block bytes (placed on {region.name!r})",
+            raise GroupMismatch(None, f"layer {bounded_repr(layer)} block bytes (placed on {bounded_repr(region.name)})",
                                 region.block_bytes, block_bytes)
         by_layer[layer] = region
     return by_layer
@@ -373,7 +374,7 @@ def _get(obj: dict, index: int, name: str, kind: type, default: Any = None) -> A
     value = obj[name]
     if isinstance(value, bool) or not isinstance(value, kind):
         raise MalformedGroups(index, name, f"must be {kind.__name__}, found "
-                              f"{type(value).__name__} {value!r}")
+                              f"{type(value).__name__} {bounded_repr(value)}")
     return value
 
 
@@ -387,7 +388,7 @@ def _group_from_wire(i: int, obj: Any) -> CacheGroup:
         kind = CacheKind(_get(obj, i, "kind", str))
     except ValueError:
         raise MalformedGroups(i, "kind", f"must be one of {[k.value for k in CacheKind]}, "
-                              f"found {obj['kind']!r}") from None
+                              f"found {bounded_repr(obj['kind'])}") from None
     block_size = _get(obj, i, "block_size", int)
     window = _get(obj, i, "window", int, 0)
     spec_slots = _get(obj, i, "spec_slots", int, 0)
@@ -422,7 +423,7 @@ def _group_from_wire(i: int, obj: Any) -> CacheGroup:
         flags[name] = obj.get(name, False)
         if type(flags[name]) is not bool:
             raise MalformedGroups(i, name, f"must be bool, found {type(flags[name]).__name__} "
-                                  f"{flags[name]!r}")
+                                  f"{bounded_repr(flags[name])}")
     return CacheGroup(i, kind, block_size, num_blocks, regions, tuple(layers), window, spec_slots,
                       owner, tokens_per_state, **flags)
 
@@ -431,13 +432,13 @@ def _region_from_wire(group: int, j: int, raw: Any) -> CacheRegion:
     field = f"regions[{j}]"
     if not (isinstance(raw, list) and len(raw) in (2, 3) and isinstance(raw[0], str) and raw[0]
             and type(raw[1]) is int and raw[1] > 0):
-        raise MalformedGroups(group, field, f"must be [name, block_bytes > 0, parts], found {raw!r}")
+        raise MalformedGroups(group, field, f"must be [name, block_bytes > 0, parts], found {bounded_repr(raw)}")
     parts: list[tuple[str, int, int]] = []
     for p in raw[2] if len(raw) == 3 else []:
         if not (isinstance(p, list) and len(p) == 3 and isinstance(p[0], str)
                 and all(type(x) is int and x >= 0 for x in p[1:])
                 and p[1] + p[2] <= raw[1]):
             raise MalformedGroups(group, f"{field}.parts", f"must be [label, offset, nbytes] "
-                                  f"inside {raw[1]} bytes, found {p!r}")
+                                  f"inside {raw[1]} bytes, found {bounded_repr(p)}")
         parts.append((p[0], p[1], p[2]))
     return CacheRegion(raw[0], raw[1], tuple(parts))

@@ -13,14 +13,13 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import MISSING, fields
 
-import structlog
-
 from kvhandoff.core.errors import LifecycleError
 from kvhandoff.core.events import EVENT_TYPES, Event, Stream
 from kvhandoff.core.lifecycle import LifecycleState, apply
+from kvhandoff.core.safelog import get_logger
 from kvhandoff.core.slots import slot_builder
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 def _maker(cls: type[Event]) -> Callable[..., Event]:

@@ -31,15 +31,15 @@ from typing import Annotated, Literal, Union
 
 import msgspec
 import orjson
-import structlog
 
 from kvhandoff.core.errors import LogCorrupt
 from kvhandoff.core.events import EVENT_TYPES, EXTRA_FIELDS, Event, Side, Stream
 from kvhandoff.core.lifecycle import gc_paused
+from kvhandoff.core.safelog import get_logger
 from kvhandoff.core.slots import slot_builder
 
 SCHEMA_VERSION = 1
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 _OWN_FIELDS = {kind: tuple(name for name, _ in extra) for kind, extra in EXTRA_FIELDS.items()}

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import orjson
 
 from kvhandoff.core.errors import MalformedMessage
+from kvhandoff.core.safelog import bounded_repr
 from kvhandoff.core.slots import slot_builder
 
 WIRE_VERSION = 1
@@ -129,11 +130,11 @@ def decode(data: bytes) -> Message:
     if not isinstance(obj, dict):
         raise MalformedMessage(f"notification must be an object, found {type(obj).__name__}")
     if obj.get("v") != WIRE_VERSION:
-        raise MalformedMessage(f"unsupported wire version {obj.get('v')!r}, expected {WIRE_VERSION}")
+        raise MalformedMessage(f"unsupported wire version {bounded_repr(obj.get('v'))}, expected {WIRE_VERSION}")
     kind = obj.get("k")
     cls = _KINDS.get(kind) if type(kind) is str else None
     if cls is None:
-        raise MalformedMessage(f"unknown notification kind {obj.get('k')!r}")
+        raise MalformedMessage(f"unknown notification kind {bounded_repr(obj.get('k'))}")
     what = cls.__name__
     # Fast paths: orjson makes exact str/int/float (bool is not int here), so a value of
     # the exact type passes `_field`; anything else goes to it, which checks and names it.

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from kvhandoff.core.errors import GeometryMismatch
 from kvhandoff.core.groups import CacheGroup, CacheKind, CacheLayout, GroupMismatch, Memory, Reads
+from kvhandoff.core.safelog import bounded_repr
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,7 +261,7 @@ def plan_group_reads(remote: CacheLayout, local: CacheLayout,
             for b in l_ids:
                 other = mine.setdefault(b, g.index)
                 if other != g.index:
-                    raise GroupMismatch(g.index, f"local block ids (region {region.name!r})",
+                    raise GroupMismatch(g.index, f"local block ids (region {bounded_repr(region.name)})",
                                         f"blocks group {other} does not write", b)
         pairs = tuple((r.name, r.name) for r in g.regions)
         full = 1 if g.kind.reads_state else -(-num_tokens // g.block_size)

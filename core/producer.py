@@ -47,8 +47,6 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-import structlog
-
 from kvhandoff.core.events import (
     Aborted,
     Event,
@@ -72,8 +70,9 @@ from kvhandoff.core.policy import (
     to_forget,
     to_free,
 )
+from kvhandoff.core.safelog import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 _TO_FREE = frozenset({PState.RELEASED, PState.EXPIRED, PState.ABORTED})
 

@@ -78,6 +78,7 @@ from kvhandoff.core.lifecycle import (
     gc_paused,
 )
 from kvhandoff.core.policy import REMEMBER_LEASES
+from kvhandoff.core.safelog import printable
 
 _TIME = attrgetter("t")
 
@@ -196,25 +197,6 @@ def describe(event: Event) -> str:
     through `printable`, like every other string that came from a log.
     """
     return f"{event.stream}#{event.seq} {event.kind} {event.request_id}"
-
-
-def printable(text: object) -> str:
-    """``text`` safe for a terminal line: unchanged unless it holds a backslash or a
-    character that is not printable.
-
-    Request ids, engine ids, reasons and tokens come from event fields, and
-    clients write some of them (``remote_request_id``).  Each such character
-    is written as Python's ``repr`` writes it (``\\n``, ``\\r``, ``\\x1b``,
-    ``\\x85``, ``\\u2028``, ``\\\\``), so no newline, carriage return, escape
-    sequence or other C0/C1 control, Unicode line or paragraph separator or
-    format character reaches the terminal raw, one event stays one line, and
-    the escaped text still names exactly one string.  Ordinary ids (printable,
-    no backslash) print unchanged, non-ASCII letters included.
-    """
-    s = str(text)
-    if s.isprintable() and "\\" not in s:
-        return s
-    return "".join(c if c.isprintable() and c != "\\" else repr(c)[1:-1] for c in s)
 
 
 def state_hash(state: LifecycleState) -> str:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from xml.sax.saxutils import escape
 
 from kvhandoff.core.events import Side
-from kvhandoff.core.replay import printable
+from kvhandoff.core.safelog import printable
 from kvhandoff.core.trace import Mark, Timeline
 
 FONT = "DejaVu Sans, Helvetica, Arial, sans-serif"

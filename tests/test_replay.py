@@ -34,7 +34,8 @@ from kvhandoff.core.events import (
 from kvhandoff.core.ledger import Ledger
 from kvhandoff.core.lifecycle import DState, LifecycleState, PState, fold
 from kvhandoff.core.log import LogWriter, log_name, logs_in, read_logs
-from kvhandoff.core.replay import printable, state_hash
+from kvhandoff.core.replay import state_hash
+from kvhandoff.core.safelog import printable
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LEASE = 10.0

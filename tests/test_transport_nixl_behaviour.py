@@ -542,6 +542,21 @@ def test_strides_travel_in_the_metadata_and_old_six_column_rows_still_read():
     assert old.regions[0].stride == 0
 
 
+@pytest.mark.parametrize("agent", ["", "x\x1b[1A\x1b[2K_forged_line", "x\u2028y", "A" * 513, 7, None])
+def test_metadata_naming_an_agent_that_could_not_be_logged_safely_is_refused(agent):
+    """A peer names its own NIXL agent, and P logged that name raw (consumer_connected,
+    malformed_notification ...): an ESC sequence in it could draw a line of its own."""
+    import orjson
+
+    from kvhandoff.transports.nixl import wire
+
+    header = orjson.dumps({"agent": agent, "instance": "i", "generation": 1,
+                           "regions": [["kv", "DRAM", 0, 64, 256, 4]]})
+    with pytest.raises(wire.MetadataUnreadable, match="agent: expected 1..512 printable") as e:
+        wire.decode(wire.MAGIC + wire._LEN.pack(len(header)) + header)
+    assert str(e.value).isprintable() and len(str(e.value)) < 300
+
+
 def test_locate_refuses_overlapping_strides_and_buffers_short_of_the_last_block():
     buf = np.zeros(9 * 640 + 128, np.uint8)
     assert locate(KVRegion("idx", buf, 10, 128, stride=640)).nbytes == buf.size

@@ -386,6 +386,29 @@ def test_p_exports_no_request_id_that_d_would_refuse(client_id):
     assert error["request_id"].isprintable() and "\x1b" not in error["request_id"]
 
 
+@pytest.mark.parametrize("field", ["remote_port", "lease_s", "release_token", "protocol",
+                                   "kvhandoff_fence_slot", "remote_host"])
+def test_d_logs_a_client_s_request_id_escaped_and_a_huge_field_bounded(field):
+    """vLLM's request id carries the client's text (``cmpl-<it>-<random>``) and D logged it
+    raw: under ``vllm serve`` structlog's console renderer writes an ESC sequence as it is,
+    so a client could erase a line and draw its own.  And a 10 MB field came back whole in
+    the error, logged and pickled to every worker each step."""
+    s = _sched(producer=False)
+    rid = "cmpl-\x1b[1A\x1b[2K\x1b[1Gforged\u2028line\x85-0-deadbeef"
+    params = GOOD.to_wire()
+    params[field] = "A" * 10_000_000
+    with capture_logs() as logs:
+        s.on_new_request(_request(rid, params=params))
+    (line,) = logs
+    assert line["event"] == "vllm.scheduler.malformed_transfer_params"
+    for value in line.values():
+        if isinstance(value, str):
+            assert value.isprintable() and len(value) < 1000, value[:200]
+    assert line["request_id"] == "cmpl-\\x1b[1A\\x1b[2K\\x1b[1Gforged\\u2028line\\x85-0-deadbeef"
+    (admit,) = s.build_plan().admits
+    assert field in admit.error and len(admit.error) < 1000
+
+
 def test_an_export_that_raises_ends_ps_record_and_exports_nothing():
     """P's ``request_finished`` raises while exporting (here: block lists that do not
     match the layout): nothing is exported, vLLM frees the pages, and P's worker hears

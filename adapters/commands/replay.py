@@ -28,7 +28,8 @@ import orjson
 
 from kvhandoff.core.errors import LogCorrupt
 from kvhandoff.core.log import logs_in, read_logs
-from kvhandoff.core.replay import printable, render_timeline, replay
+from kvhandoff.core.replay import render_timeline, replay
+from kvhandoff.core.safelog import printable
 
 
 def add_parser(sub) -> None:

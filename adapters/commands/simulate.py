@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import orjson
 import structlog
 
-from kvhandoff.core.replay import printable
+from kvhandoff.core.safelog import printable
 from kvhandoff.simulations.config import POLICIES
 from kvhandoff.simulations.runner import sweep
 from kvhandoff.simulations.scenarios import SCENARIOS, names

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import structlog
 
 from kvhandoff.adapters.vllm.engine_proc import EngineSpec, engine_env
+from kvhandoff.core.safelog import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 def open_private_log(path: Path):

@@ -16,7 +16,6 @@ import sys
 import weakref
 from typing import TYPE_CHECKING, Any
 
-import structlog
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -32,13 +31,14 @@ from kvhandoff.adapters.vllm.metadata import metadata_class
 from kvhandoff.adapters.vllm.scheduler import HandoffScheduler
 from kvhandoff.adapters.vllm.worker import HandoffWorker
 from kvhandoff.core.events import Side
+from kvhandoff.core.safelog import get_logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
     from kvhandoff.core.groups import CacheLayout
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # Module-level classes: under ``vllm serve`` the executor pickles the step's
 # metadata to worker processes and the workers' stats back, by class name.

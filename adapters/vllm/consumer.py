@@ -23,8 +23,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
-
 from kvhandoff.adapters.vllm import stats as kstats
 from kvhandoff.adapters.vllm.metadata import Admit, Failure, StepPlan
 from kvhandoff.adapters.vllm.params import (
@@ -45,9 +43,10 @@ from kvhandoff.core.planning import (
     tokens_prefilled,
     validate_block_ids,
 )
+from kvhandoff.core.safelog import get_logger
 from kvhandoff.transports.base import UnknownPeer, group_splits
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 REFUSE_S = 10.0  # a P address whose handshake failed is not tried again for this long

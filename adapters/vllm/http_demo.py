@@ -37,8 +37,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 from kvhandoff.adapters.vllm.cluster import EngineFailed, free_port
 from kvhandoff.adapters.vllm.demo import (
     DemoOptions,
@@ -51,6 +49,7 @@ from kvhandoff.adapters.vllm.demo import (
 from kvhandoff.adapters.vllm.params import DEBUG_DELAY_KEY, DEBUG_HOLD_KEY, UNCANCELLED_HOLD_S
 from kvhandoff.adapters.vllm.serve import ServeProcess, ServeSpec
 from kvhandoff.adapters.vllm.tiny_model import write_tiny_model
+from kvhandoff.core.safelog import get_logger
 
 WORDS = ("the rain in spain falls mainly on a plain while old ships sail north past quiet "
          "harbours and bright towers of glass hum with the songs of distant engines").split()
@@ -430,7 +429,7 @@ def run_http_demo(opts: DemoOptions, progress: Any = None) -> dict[str, Any]:
         try:
             stalls = watch.stop() if watch is not None else {}
             # on stderr also when the batch raised (no summary then)
-            structlog.get_logger(__name__).info("demo.longest_stall_s", **stalls)
+            get_logger(__name__).info("demo.longest_stall_s", **stalls)
         finally:
             exit_codes = run.stop()
     logs = [str(run.p_log), str(run.d_log)]

@@ -17,6 +17,7 @@ from typing import Any
 from kvhandoff.core.errors import MalformedMessage
 from kvhandoff.core.groups import SCHEMA_VERSION as LAYOUT_VERSION
 from kvhandoff.core.policy import MIN_LEASE_S
+from kvhandoff.core.safelog import bounded_repr
 
 MAX_LEASE_S = 86400.0
 MAX_GROUPS = 64
@@ -80,7 +81,7 @@ def _get(params: dict[str, Any], name: str, kind: type) -> Any:
     v = params[name]
     if isinstance(v, bool) or not isinstance(v, kind):
         raise MalformedTransferParams(
-            f"kv_transfer_params[{name!r}]: expected {kind.__name__}, found {type(v).__name__} {v!r}")
+            f"kv_transfer_params[{name!r}]: expected {kind.__name__}, found {type(v).__name__} {bounded_repr(v)}")
     return v
 
 
@@ -91,7 +92,7 @@ def parse_remote_prefill(params: Any, max_block_id: int = 1 << 31) -> RemotePref
             f"kv_transfer_params: expected an object, found {type(params).__name__}")
     if params.get("protocol", PROTOCOL) != PROTOCOL:
         raise MalformedTransferParams(
-            f"kv_transfer_params['protocol']: expected {PROTOCOL!r}, found {params.get('protocol')!r}"
+            f"kv_transfer_params['protocol']: expected {PROTOCOL!r}, found {bounded_repr(params.get('protocol'))}"
             " (were these produced by another connector?)")
     engine = _get(params, "remote_engine_id", str)
     rid = _get(params, "remote_request_id", str)
@@ -106,11 +107,11 @@ def parse_remote_prefill(params: Any, max_block_id: int = 1 << 31) -> RemotePref
             raise MalformedTransferParams(f"kv_transfer_params[{name!r}]: empty or longer than 256")
         if not value.isprintable():  # logged as text: a control character could forge a line
             raise MalformedTransferParams(
-                f"kv_transfer_params[{name!r}]: expected printable characters, found {value!r}")
+                f"kv_transfer_params[{name!r}]: expected printable characters, found {bounded_repr(value)}")
     if not host.isascii():  # D dials these bytes: the trust list must compare exactly them
         raise MalformedTransferParams(
             f"kv_transfer_params['remote_host']: expected an ASCII host name or address (an "
-            f"internationalized name in its xn-- form), found {host!r}")
+            f"internationalized name in its xn-- form), found {bounded_repr(host)}")
     if not 0 < port < 65536:
         raise MalformedTransferParams(f"kv_transfer_params['remote_port']: expected 1..65535, found {port}")
     if tp < 1:
@@ -124,30 +125,30 @@ def parse_remote_prefill(params: Any, max_block_id: int = 1 << 31) -> RemotePref
         # heartbeats every sixth of the shortest lease it holds from a P rank.
         raise MalformedTransferParams(
             f"kv_transfer_params['lease_s']: expected a number in [{MIN_LEASE_S:g}, "
-            f"{MAX_LEASE_S:g}], found {lease!r}")
+            f"{MAX_LEASE_S:g}], found {bounded_repr(lease)}")
     # Required: every P of this protocol sends it (``to_wire``, the scheduler's
     # request_finished); params without it were not written by one.
     version = _get(params, "cache_layout_version", int)
     if version != LAYOUT_VERSION:
         raise MalformedTransferParams(
             f"kv_transfer_params['cache_layout_version']: expected {LAYOUT_VERSION}, found "
-            f"{version!r} (P and D run different kvhandoff versions)")
+            f"{bounded_repr(version)} (P and D run different kvhandoff versions)")
     block_ids = _block_ids(_get(params, "remote_block_ids", list), max_block_id)
     delay = params.get(DEBUG_DELAY_KEY, 0.0)
     if isinstance(delay, bool) or not isinstance(delay, int | float) or not 0 <= delay <= 600:
-        raise MalformedTransferParams(f"kv_transfer_params[{DEBUG_DELAY_KEY!r}]: expected 0..600, found {delay!r}")
+        raise MalformedTransferParams(f"kv_transfer_params[{DEBUG_DELAY_KEY!r}]: expected 0..600, found {bounded_repr(delay)}")
     hold = params.get(DEBUG_HOLD_KEY, False)
     if type(hold) is not bool:
         raise MalformedTransferParams(f"kv_transfer_params[{DEBUG_HOLD_KEY!r}]: expected true or "
-                                      f"false, found {hold!r}")
+                                      f"false, found {bounded_repr(hold)}")
     token = params.get("release_token", "")
     if not _well_formed_token(token):
         raise MalformedTransferParams("kv_transfer_params['release_token']: expected a string "
-                                      f"of at most 128 printable characters, found {token!r}")
+                                      f"of at most 128 printable characters, found {bounded_repr(token)}")
     slot = params.get(FENCE_SLOT_KEY)
     if slot is not None and (type(slot) is not int or not 0 <= slot < 1 << 31):
         raise MalformedTransferParams(f"kv_transfer_params[{FENCE_SLOT_KEY!r}]: expected an "
-                                      f"integer in [0, 2**31), found {slot!r}")
+                                      f"integer in [0, 2**31), found {bounded_repr(slot)}")
     return RemotePrefill(engine, rid, host, port, tp, block_ids, num_tokens, float(lease),
                          float(delay), token, slot, hold)
 

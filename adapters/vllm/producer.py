@@ -30,14 +30,13 @@ import sys
 import threading
 from typing import Any
 
-import structlog
-
 from kvhandoff.adapters.vllm.metadata import StepPlan
 from kvhandoff.core import messages
 from kvhandoff.core.lifecycle import PState
 from kvhandoff.core.producer import ProducerStep
+from kvhandoff.core.safelog import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # D agents one P rank keeps connected (a NIXL remote agent each, with its connection):
 # a hello beyond it is refused until the liveness probes find connected ones gone.

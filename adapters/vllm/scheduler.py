@@ -33,8 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
-
 from kvhandoff.adapters.vllm import timing
 from kvhandoff.adapters.vllm.config import HandoffConfig
 from kvhandoff.adapters.vllm.metadata import Admit, Export, Failure, Read, StepPlan
@@ -50,8 +48,9 @@ from kvhandoff.adapters.vllm.params import (
 from kvhandoff.core.fence import FenceSlots
 from kvhandoff.core.groups import CacheLayout
 from kvhandoff.core.planning import export_ids, prefill_backoff, tokens_loaded
+from kvhandoff.core.safelog import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass(slots=True)
@@ -157,7 +156,7 @@ class HandoffScheduler:
                     # the prompt itself).  vLLM makes the id from the client's
                     # X-Request-Id or request_id (`cmpl-<it>-<random>`).
                     log.error("vllm.connector.request_id_not_exportable",
-                              request_id=repr(rid[:300]), length=len(rid),
+                              request_id=rid, length=len(rid),
                               reason="request ids must be 1..256 printable characters")
                     return
                 self._p[rid] = False

@@ -20,13 +20,13 @@ from collections.abc import Callable
 from typing import Any
 
 import orjson
-import structlog
 
 from kvhandoff.adapters.vllm.params import well_formed_id
 from kvhandoff.core.errors import GeometryMismatch
 from kvhandoff.core.groups import CacheLayout, GroupMismatch, MalformedGroups
+from kvhandoff.core.safelog import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 WIRE = "kvhandoff-side/1"
 # The largest frame either side takes: NIXL agent metadata is kilobytes to a few MiB.  ZMQ

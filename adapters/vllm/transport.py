@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import structlog
+from kvhandoff.core.safelog import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 def make_transport(name: str, *, progress_thread_otherwise: bool = True, **options: Any) -> Any:

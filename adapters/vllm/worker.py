@@ -48,8 +48,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import structlog
-
 from kvhandoff.adapters.vllm import stats as kstats
 from kvhandoff.adapters.vllm.config import HandoffConfig, UnsupportedTopology, make_log_dir
 from kvhandoff.adapters.vllm.consumer import ConsumerHalf, IncomingHandoff, ProducerLink
@@ -68,11 +66,12 @@ from kvhandoff.core.lifecycle import LifecycleState
 from kvhandoff.core.log import LogWriter, log_name
 from kvhandoff.core.planning import prefill_backoff
 from kvhandoff.core.producer import ProducerEngine
+from kvhandoff.core.safelog import get_logger
 from kvhandoff.transports.base import FenceReader, RegionMismatch, fence_region
 from kvhandoff.transports.caches import kv_regions
 from kvhandoff.transports.nixl.progress import ReadProgress
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 def _natural_key(name: str) -> tuple:

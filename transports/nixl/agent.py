@@ -55,9 +55,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
+from kvhandoff.core.safelog import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # name -> (value, why).  Only what a kvhandoff READ needs; everything else is UCX's.
 # All of them concern CUDA memory: without a CUDA driver none is set.

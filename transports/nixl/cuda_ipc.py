@@ -39,9 +39,10 @@ from functools import cache
 from typing import Any
 
 import numpy as np
-import structlog
 
-log = structlog.get_logger(__name__)
+from kvhandoff.core.safelog import get_logger
+
+log = get_logger(__name__)
 
 _LAZY_ENABLE_PEER_ACCESS = 1
 

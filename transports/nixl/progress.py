@@ -22,9 +22,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import structlog
+from kvhandoff.core.safelog import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 class ReadProgress:

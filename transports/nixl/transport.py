@@ -61,9 +61,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
-
 from kvhandoff.core.fence import FENCE_REGION
+from kvhandoff.core.safelog import get_logger
 from kvhandoff.transports.base import (
     Completion,
     KVRegion,
@@ -105,7 +104,7 @@ from .reads import (
     plan_reads,
 )
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 PROBE = b"\x00kvh.probe"  # internal liveness probe; never handed to the receiver's caller
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import orjson
 
+from kvhandoff.core.safelog import bounded_repr
 from kvhandoff.transports.base import MemoryKind, TransportError
 
 from .memory import Placement
@@ -57,6 +58,9 @@ class PeerMetadata:
     ipc: dict | None = None  # {"node": boot id, "allocations": [[dev, base, size, hex]]}
 
 
+MAX_AGENT_NAME = 512  # an engine id of up to 256 characters, its side, rank and instance
+
+
 def encode(agent: str, instance: str, generation: int, placements: Sequence[Placement],
            nixl_metadata: bytes, ipc: dict | None = None) -> bytes:
     header = orjson.dumps({
@@ -89,7 +93,12 @@ def decode(blob: bytes) -> PeerMetadata:
         ipc = h.get("ipc")
         if ipc is not None and not isinstance(ipc, dict):
             raise TypeError(f"ipc: expected an object, found {type(ipc).__name__}")
-        return PeerMetadata(str(h["agent"]), str(h["instance"]), int(h["generation"]),
+        agent = h["agent"]
+        # Logged and keyed on: a peer names its own agent, so its name is checked here.
+        if type(agent) is not str or not 0 < len(agent) <= MAX_AGENT_NAME or not agent.isprintable():
+            raise ValueError(f"agent: expected 1..{MAX_AGENT_NAME} printable characters, found "
+                             f"{bounded_repr(agent)}")
+        return PeerMetadata(agent, str(h["instance"]), int(h["generation"]),
                             regions, blob[start + n:], ipc)
     except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise MetadataUnreadable(f"unreadable header: {exc}") from None
