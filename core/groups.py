@@ -431,7 +431,7 @@ def _group_from_wire(i: int, obj: Any) -> CacheGroup:
 def _region_from_wire(group: int, j: int, raw: Any) -> CacheRegion:
     field = f"regions[{j}]"
     if not (isinstance(raw, list) and len(raw) in (2, 3) and isinstance(raw[0], str) and raw[0]
-            and type(raw[1]) is int and raw[1] > 0):
+            and type(raw[1]) is int and raw[1] > 0 and (len(raw) == 2 or isinstance(raw[2], list))):
         raise MalformedGroups(group, field, f"must be [name, block_bytes > 0, parts], found {bounded_repr(raw)}")
     parts: list[tuple[str, int, int]] = []
     for p in raw[2] if len(raw) == 3 else []:

@@ -66,8 +66,11 @@ class TimingConfig:
         if not 0 < self.heartbeat_interval_s:
             raise ValueError(f"heartbeat_interval_s: expected > 0, found "
                              f"{self.heartbeat_interval_s!r}")
-        if not 0 <= self.lease_margin_s < self.lease_s:
-            raise ValueError(f"lease_margin_s: expected >= 0 and < lease_s, found "
+        # > 0: P's lease ends at its deadline (it expires and frees at t >= deadline), so
+        # D's bound on it must end before; with no margin a READ completing at the very
+        # instant P freed was confirmed.
+        if not 0 < self.lease_margin_s < self.lease_s:
+            raise ValueError(f"lease_margin_s: expected > 0 and < lease_s, found "
                              f"{self.lease_margin_s!r}")
         if not self.read_timeout_s > 0:
             raise ValueError(f"read_timeout_s: expected > 0, found {self.read_timeout_s!r}")

@@ -729,3 +729,27 @@ def test_a_lost_message_of_a_keep_alive_in_several_is_made_up_as_for_one(engine,
     missing = set(beats[0 if lost == "send" else 1][1].request_ids)
     named = _first_named(engine, missing, 2.2, 4.0)
     assert named <= (2.2 if lost == "send" else 2.1 + 2.0 / 4 + 0.05)
+
+
+def test_a_read_completing_at_the_instant_p_s_lease_ended_is_not_proven():
+    """P's lease ends at its deadline: P expires and frees at ``t >= deadline``.  With no
+    lease margin, D's bound from P's answer was that very deadline, and D confirmed a READ
+    that completed at the instant P freed.  The margin must be > 0, and with the smallest
+    one the READ waits for more proof."""
+    from kvhandoff.core.producer import ProducerEngine
+
+    with pytest.raises(ValueError, match="lease_margin_s: expected > 0"):
+        TimingConfig(lease_s=10.0, heartbeat_interval_s=5.0, lease_margin_s=0.0)
+    p = ProducerEngine(Stream("prefill-0", Side.P, 0), lease_s=10.0)
+    d = ConsumerEngine(D0, TimingConfig(lease_s=10.0, heartbeat_interval_s=5.0,
+                                        lease_margin_s=1e-6))
+    p.exported("r1", 0.0, 4, (0,), token="tok")
+    assert d.admit("r1", 0.0, peer=P_AGENT, remote_engine="prefill-0", remote_ranks=(0,),
+                   num_blocks=4, lease_s=10.0, token="tok")
+    assert d.validated("r1", 0.0) and d.reads_posted("r1", 0.0, (0,))
+    peer, hb, urgent = _beat(d, 4.0).heartbeats[0]
+    (_, ack), = p.on_notification("decode-0", decode(encode(hb)), 4.0).acks
+    d.on_notification(P_AGENT, decode(encode(ack)), 4.0)  # P holds it 10 s more: until 14
+    assert p.poll(14.0).freed == ["r1"]  # no later heartbeat got through
+    d.split_done("r1", 0, 14.0)
+    assert not [f for f in d.poll(14.0).finished if f.ok]

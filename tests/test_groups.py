@@ -60,6 +60,9 @@ def _broken(mutate):
     (lambda w: w["groups"][0].update(spec_slots=1), 0, "spec_slots"),
     (lambda w: w["groups"][1].update(regions=[]), 1, "regions"),
     (lambda w: w["groups"][1].update(regions=[["indexer.0", -1, []]]), 1, "regions[0]"),
+    # parts that are not a list: a TypeError before, classed as a failed handshake
+    *((lambda w, bad=bad: w["groups"][1].update(regions=[["indexer.0", 8, bad]]), 1, "regions[0]")
+      for bad in (5, None, 1.5, True, "ab")),
     (lambda w: w["groups"][2]["regions"][0][2].append(["ssm", 900, 200]), 2, "regions[0].parts"),
     (lambda w: w["groups"][0].update(regions=[["a", 8, []], ["a", 8, []]]), 0, "regions"),
     (lambda w: w["groups"][0].update(layers=[1]), 0, "layers"),

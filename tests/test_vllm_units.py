@@ -186,6 +186,7 @@ def test_a_restart_within_the_same_second_keeps_every_predecessor_s_log(tmp_path
     ({"lease_s": 0}, "fail", "lease_s"),
     ({"lease_s": 0.5}, "fail", "lease_s"),  # below MIN_LEASE_S: D would refuse its params
     ({"lease_s": 3, "heartbeat_interval_s": 3}, "fail", "heartbeat_interval_s"),
+    ({"lease_margin_s": 0}, "fail", "lease_margin_s"),  # P frees at its deadline
     ({"failure_policy": "recompute"}, "fail", "failure_policy"),
     ({"failure_policy": "retry"}, "retry", "failure_policy"),
     ({"debug_read_delay_param": 1}, "fail", "debug_read_delay_param"),

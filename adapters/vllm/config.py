@@ -144,8 +144,8 @@ class HandoffConfig:
         if values["heartbeat_interval_s"] <= 0 or values["heartbeat_interval_s"] >= lease:
             raise ConnectorConfigError("heartbeat_interval_s", f"> 0 and < lease_s ({lease})",
                                        values["heartbeat_interval_s"])
-        if not 0 <= values["lease_margin_s"] < lease:
-            raise ConnectorConfigError("lease_margin_s", f">= 0 and < lease_s ({lease})",
+        if not 0 < values["lease_margin_s"] < lease:  # (`TimingConfig` says why not 0)
+            raise ConnectorConfigError("lease_margin_s", f"> 0 and < lease_s ({lease})",
                                        values["lease_margin_s"])
         for key in ("read_timeout_s", "handshake_timeout_s", "notif_poll_s", "idle_poll_s"):
             if values.get(key, defaults[key]) <= 0:
