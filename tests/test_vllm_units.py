@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pathlib
 import re
 import signal
 import socket
@@ -201,6 +202,19 @@ def test_config_refuses_bad_values_at_start(extra, policy, key):
         HandoffConfig.from_extra(extra, policy, env={})
 
 
+def test_every_setting_is_in_the_operator_guide_s_table_and_the_module_s():
+    """Each `HandoffConfig` field is a row of docs/operator-guide.md's settings table and of
+    the config module's docstring, and neither table names a setting that does not exist."""
+    import dataclasses
+
+    from kvhandoff.adapters.vllm import config
+
+    guide = (pathlib.Path(__file__).parents[1] / "docs" / "operator-guide.md").read_text()
+    names = {f.name for f in dataclasses.fields(HandoffConfig)}
+    assert set(re.findall(r"^\| `(\w+)` \|", guide.split("## Settings", 1)[1], re.M)) >= names
+    assert set(re.findall(r"^\| (\w+)\s+\|", config.__doc__, re.M)) - {"key"} == names
+
+
 def test_config_takes_nan_and_infinity_from_the_json_vllm_reads_as_bad_values():
     extra = json.loads('{"handshake_timeout_s": NaN, "idle_poll_s": Infinity}')
     with pytest.raises(ConnectorConfigError, match=r"handshake_timeout_s.*a finite number, found nan"):
@@ -255,6 +269,40 @@ def test_side_channel_handshake_swaps_metadata_and_refuses_mismatches():
         server.close()
     with pytest.raises(HandshakeFailed, match="no answer"):
         handshake("127.0.0.1", free_port(), "D-1", 0, COMPAT, b"x", 0.3)
+
+
+def test_p_answers_hellos_only_from_its_trusted_consumers():
+    """With ``trusted_consumers`` set, a hello from any other address gets nothing: no
+    metadata, no compatibility fields (which would let a stranger pass the check on its
+    second try), no NIXL peer on P, and P logs the address."""
+    from kvhandoff.adapters.vllm.trust import TrustedConsumers
+
+    seen = []
+    for entries, trusted in ((("10.0.0.0/8", "192.168.1.7"), False), (("127.0.0.1",), True),
+                             (("10.0.0.0/8", "127.0.0.0/8"), True)):
+        port = free_port()
+        server = SideChannelServer("127.0.0.1", port, "P-1", 0, COMPAT,
+                                   lambda hello, md: (seen.append(hello["engine_id"]), b"P-META")[1],
+                                   TrustedConsumers(entries).allows)
+        try:
+            if trusted:
+                assert handshake("127.0.0.1", port, "D-1", 0, COMPAT, b"D-META", 5.0)[1] == b"P-META"
+                continue
+            with capture_logs() as logs, pytest.raises(
+                    HandshakeFailed, match="UntrustedConsumer: 127.0.0.1 is not in this P's "
+                                           "trusted_consumers"):
+                handshake("127.0.0.1", port, "D-1", 0, COMPAT, b"D-META", 5.0)
+            assert [e["address"] for e in logs if e["event"] ==
+                    "vllm.side_channel.untrusted_consumer"] == ["127.0.0.1"]
+        finally:
+            server.close()
+    assert seen == ["D-1", "D-1"]
+
+
+@pytest.mark.parametrize("entries", [["p0.example"], ["10.0.0.1:5600"], ["::1"], [7], []])
+def test_trusted_consumers_take_ipv4_addresses_and_cidrs_only(entries):
+    with pytest.raises(ConnectorConfigError, match="trusted_consumers"):
+        HandoffConfig.from_extra({"trusted_consumers": entries}, env={})
 
 
 def test_a_frame_over_the_limit_is_never_taken_and_p_goes_on_answering(monkeypatch):

@@ -720,6 +720,32 @@ def test_p_keeps_a_bounded_number_of_consumers_connected(workers, monkeypatch, t
     _done_handoff(p, d, port, "r8c", "L8c", (8,), "tok-8c", [9])  # the first D still reads
 
 
+def test_a_p_with_trusted_consumers_answers_no_d_outside_them(tmp_path):
+    """``trusted_consumers`` on P: a D connecting from elsewhere gets no metadata and no
+    NIXL peer on P; it fails the request as handshake_failed, naming why."""
+    port = free_port()
+    extra = {"lease_s": LEASE, "log_dir": str(tmp_path), "side_channel_port": port}
+    clock = SkipClock()
+    p = HandoffWorker(HandoffConfig.from_extra({**extra, "trusted_consumers": ["10.0.0.0/8"]},
+                                               env={}), "P-w", Side.P, 0, 1, COMPAT, clock)
+    d = HandoffWorker(HandoffConfig.from_extra(extra, env={}), "D-w", Side.D, 0, 1, COMPAT, clock)
+    try:
+        p.register_kv_caches(_caches(True), LAYOUT)
+        d.register_kv_caches(_caches(False), LAYOUT)
+        _export(p, "r1", 1, "tok-1")
+        with capture_logs() as logs:
+            d.start_step(StepPlan(admits=[Admit("L1", _params("r1", port, (7,), "tok-1"), "",
+                                                BLOCK)], reads=[Read("L1", [[7]])]))
+            _pump(p, d, lambda s, r, f: "L1" in f)
+        assert d.total["rejected_handshake_failed"] == 1
+        assert any("UntrustedConsumer: 127.0.0.1 is not in this P's trusted_consumers"
+                   in str(x.get("error")) for x in logs), logs
+        assert not p._consumers
+    finally:
+        d.close()
+        p.close()
+
+
 def test_addresses_from_requests_cost_d_a_bounded_number_of_threads_and_entries(
         workers, monkeypatch):
     """Each request may name another P address (any port of loopback is trusted by

@@ -22,6 +22,7 @@ with `ConnectorConfigError`, never discovered mid-request.
 | debug_read_delay_s     | 0.0                 | tests only: hold each READ's completion this long    |
 | debug_read_delay_param | false               | tests/demo only: honour a request's ``kvhandoff_debug_read_delay_s`` (and ``kvhandoff_debug_hold_read_until_cancelled``: counted from the client's cancel) |
 | trusted_producers      | $KVHANDOFF_TRUSTED_PRODUCERS or loopback only | D: producers D may connect to (HOST[:PORT] or CIDR[:PORT] entries; the variable: comma-separated) |
+| trusted_consumers      | unset: any          | P: the addresses whose hellos its side channel answers (IPv4 addresses or CIDRs) |
 
 ``KVHANDOFF_TRUSTED_PRODUCERS`` (e.g. ``10.0.0.11:5600,10.0.1.0/24:5600``) is
 read only when the extra config sets no ``trusted_producers``: the extra
@@ -77,6 +78,7 @@ class HandoffConfig:
     debug_read_delay_s: float = 0.0
     debug_read_delay_param: bool = False
     trusted_producers: tuple[str, ...] = LOOPBACK_PRODUCERS
+    trusted_consumers: tuple[str, ...] = ()  # (): P answers a hello from any address
 
     @property
     def timing(self) -> TimingConfig:
@@ -169,6 +171,10 @@ class HandoffConfig:
             TrustedProducers(values["trusted_producers"])  # refuse bad entries at start-up
         elif TRUSTED_PRODUCERS_ENV in env:
             values["trusted_producers"] = _trusted_producers_from_env(env[TRUSTED_PRODUCERS_ENV])
+        if "trusted_consumers" in values:
+            from kvhandoff.adapters.vllm.trust import TrustedConsumers
+
+            TrustedConsumers(values["trusted_consumers"])  # refuse bad entries at start-up
         if not values.get("log_dir"):
             values["log_dir"] = default_log_dir(engine_id)
         return cls(**values)

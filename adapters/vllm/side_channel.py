@@ -88,11 +88,13 @@ class SideChannelServer:
     """P's listener.  ``on_hello(hello, metadata) -> (reply_extra, our_metadata)``."""
 
     def __init__(self, host: str, port: int, engine_id: str, rank: int, compat: dict[str, Any],
-                 on_hello: Callable[[dict[str, Any], bytes], bytes]) -> None:
+                 on_hello: Callable[[dict[str, Any], bytes], bytes],
+                 trusted: Callable[[str | None], bool] | None = None) -> None:
         import zmq
 
         self.engine_id, self.rank, self.compat = engine_id, rank, compat
         self.on_hello = on_hello
+        self.trusted = trusted  # the addresses answered (``trusted_consumers``); None: any
         self._stop = threading.Event()
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -112,15 +114,23 @@ class SideChannelServer:
 
         while not self._stop.is_set():
             try:
-                frames = self._sock.recv_multipart()
+                frames = self._sock.recv_multipart(copy=False)
             except zmq.Again:
                 continue
             except zmq.ZMQError:
                 break
+            if self.trusted is not None:
+                address = _peer_address(frames[-1])
+                if not self.trusted(address):  # nothing of it is read, nothing of ours sent
+                    log.warning("vllm.side_channel.untrusted_consumer", address=address)
+                    self._reply(frames[0].bytes, _hello(
+                        self.engine_id, self.rank, {}, ok=False, error=f"UntrustedConsumer: "
+                        f"{address} is not in this P's trusted_consumers"), b"")
+                    continue
             if len(frames) != 4:
                 log.warning("vllm.side_channel.bad_frames", frames=len(frames))
                 continue
-            ident, _, header, metadata = frames
+            ident, _, header, metadata = (f.bytes for f in frames)
             try:
                 hello = _parse_hello(header, "side channel")
                 check_compatible(self.compat, hello["compat"], hello["engine_id"])
@@ -131,15 +141,28 @@ class SideChannelServer:
                 ours = b""
                 reply = _hello(self.engine_id, self.rank, self.compat, ok=False,
                                error=f"{type(exc).__name__}: {exc}")
-            try:
-                self._sock.send_multipart([ident, b"", reply, ours])
-            except zmq.ZMQError as exc:
-                log.warning("vllm.side_channel.reply_failed", error=str(exc))
+            self._reply(ident, reply, ours)
+
+    def _reply(self, ident: bytes, reply: bytes, metadata: bytes) -> None:
+        import zmq
+
+        try:
+            self._sock.send_multipart([ident, b"", reply, metadata])
+        except zmq.ZMQError as exc:
+            log.warning("vllm.side_channel.reply_failed", error=str(exc))
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
         self._sock.close()
+
+
+def _peer_address(frame: Any) -> str | None:
+    """The address a frame came from, as ZMQ saw the connection (None if it cannot say)."""
+    try:
+        return frame.get("Peer-Address")
+    except Exception:  # libzmq without message properties
+        return None
 
 
 def handshake(host: str, port: int, engine_id: str, rank: int, compat: dict[str, Any],

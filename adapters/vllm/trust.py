@@ -1,4 +1,5 @@
-"""Which producers D may connect to: ``trusted_producers``.
+"""Which producers D may connect to: ``trusted_producers``; which consumers P answers:
+``trusted_consumers``.
 
 The address D dials comes from ``kv_transfer_params``, which clients can
 write.  D checks it here, before a single packet leaves (no handshake, no
@@ -140,3 +141,31 @@ class TrustedProducers:
                 f"trusted_producers {list(self.entries)} (D connects only to trusted producers)")
         if exact and len(self._passed) < _PASSED_MAX:
             self._passed.add((host, port))
+
+
+class TrustedConsumers:
+    """P's ``trusted_consumers``: the IPv4 addresses and CIDRs whose hellos P's side channel
+    answers (it sees the address a hello came from: no host names, no ports).  A hello from
+    anywhere else gets no metadata, no compatibility fields and no NIXL peer on P."""
+
+    def __init__(self, entries: tuple[str, ...]) -> None:
+        self.entries = tuple(entries)
+        self._networks = tuple(_consumer_network(e) for e in self.entries)
+
+    def allows(self, address: str | None) -> bool:
+        ip = _ip_of(address) if isinstance(address, str) else None
+        return ip is not None and any(ip.version == n.version and ip in n for n in self._networks)
+
+
+def _consumer_network(entry: object) -> ipaddress.IPv4Network:
+    try:
+        if not isinstance(entry, str):
+            raise ValueError
+        network = ipaddress.ip_network(entry.strip(), strict=False)
+        if network.version != 4:
+            raise ValueError
+        return network
+    except ValueError:
+        raise ConnectorConfigError(
+            "trusted_consumers", "a list of IPv4 addresses or CIDRs (P sees the address a hello "
+            "comes from: no host names, no ports)", entry) from None

@@ -55,7 +55,7 @@ from kvhandoff.adapters.vllm.metadata import StepPlan
 from kvhandoff.adapters.vllm.producer import ProducerHalf
 from kvhandoff.adapters.vllm.side_channel import SideChannelServer
 from kvhandoff.adapters.vllm.transport import make_transport
-from kvhandoff.adapters.vllm.trust import TrustedProducers
+from kvhandoff.adapters.vllm.trust import TrustedConsumers, TrustedProducers
 from kvhandoff.core import messages
 from kvhandoff.core.consumer import ConsumerEngine
 from kvhandoff.core.errors import MalformedMessage
@@ -282,9 +282,11 @@ class HandoffWorker(ProducerHalf, ConsumerHalf):
         log.info("vllm.worker.registered", regions=len(regions), num_blocks=self.num_blocks,
                  groups=[g.kind.value for g in layout.groups], agent=agent)
         if self.side is Side.P:
+            trusted = self.cfg.trusted_consumers
             self._server = SideChannelServer(
                 self.cfg.side_channel_host, self.cfg.side_channel_port + self.rank,
-                self.engine_id, self.rank, self.compat, self._on_hello)
+                self.engine_id, self.rank, self.compat, self._on_hello,
+                TrustedConsumers(trusted).allows if trusted else None)
             self._notif_thread = threading.Thread(target=self._notif_loop, daemon=True,
                                                   name="kvhandoff-notifications")
             self._notif_thread.start()
