@@ -92,6 +92,26 @@ class TestNixlHostContract(TransportContract):
         for i in range(len(pair.d_regions)):
             assert np.array_equal(pair.read_d(i), source[i])
 
+    def test_nixl_metadata_of_an_agent_whose_name_is_not_utf8_is_refused_before_loading(
+            self, pair):
+        """NIXL's binding returns the name of the agent it loaded as text: for a name that
+        is not UTF-8 it raised after the load ("stale metadata of a peer that is gone?") and
+        the agent stayed loaded, once per hello.  Refused before NIXL loads anything."""
+        from kvhandoff.transports.nixl.agent import create_agent
+
+        p_name, _ = self.connect(pair)
+        stranger = create_agent(b"bad\xff", NixlOptions())
+        metadata = pair.p.metadata()
+        (n,) = struct.unpack_from("<I", metadata, len(wire.MAGIC))
+        start = len(wire.MAGIC) + 4
+        header = orjson.dumps(orjson.loads(metadata[start:start + n]) | {"agent": "Q"})
+        forged = (wire.MAGIC + struct.pack("<I", len(header)) + header
+                  + stranger.get_agent_metadata())
+        with pytest.raises(TransportError, match=r"metadata of agent 'Q' carries NIXL metadata "
+                                                 r"of agent 'bad\\\\xff'"):
+            pair.d.add_peer(forged)
+        assert wire.nixl_agent_name(metadata[start + n:]) == p_name.encode()
+
     def test_a_peer_that_dies_mid_read_fails_the_read_and_is_reported_lost(self, pair):
         # Over UCX's cma path a READ of host memory is copied while it is posted, so
         # a READ posted just before the producer dies has usually landed already:

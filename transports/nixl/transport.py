@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvhandoff.core.fence import FENCE_REGION
-from kvhandoff.core.safelog import get_logger
+from kvhandoff.core.safelog import bounded_repr, get_logger
 from kvhandoff.transports.base import (
     Completion,
     KVRegion,
@@ -234,6 +234,13 @@ class NixlTransport:
                 raise TransportError(f"{self.name}: peer {meta.agent!r} re-announced while "
                                      f"{len(old.inflight)} READs from it are in flight")
             self._drop_peer(old)
+        named = wire.nixl_agent_name(meta.nixl)
+        if named is not None and named != meta.agent.encode():
+            # Refused before NIXL loads it: NIXL's binding returns the loaded name as text,
+            # so a name that is not UTF-8 raised after the load and the agent stayed loaded.
+            raise TransportError(f"{self.name}: metadata of agent {meta.agent!r} carries NIXL "
+                                 f"metadata of agent "
+                                 f"{bounded_repr(named.decode(errors='backslashreplace'))}")
         try:
             name = self._agent.add_remote_agent(meta.nixl)
         except Exception as exc:  # NIXL connects while loading: a dead peer fails here

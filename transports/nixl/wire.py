@@ -75,6 +75,20 @@ def encode(agent: str, instance: str, generation: int, placements: Sequence[Plac
     return MAGIC + _LEN.pack(len(header)) + header + nixl_metadata
 
 
+_NIXL_NAME = b"nixlSerDes|Agent"  # how NIXL 1.5's own metadata begins: the agent's name
+
+
+def nixl_agent_name(nixl: bytes) -> bytes | None:
+    """The agent name NIXL's own metadata carries (NIXL 1.5 lays it out as ``nixlSerDes|Agent``,
+    an 8-byte little-endian length, the name), or None when it is not laid out so (another
+    NIXL version: the name is then checked once NIXL loaded it)."""
+    at = len(_NIXL_NAME) + 8
+    if not nixl.startswith(_NIXL_NAME) or len(nixl) < at:
+        return None
+    (n,) = struct.unpack_from("<Q", nixl, len(_NIXL_NAME))
+    return nixl[at:at + n] if len(nixl) >= at + n else None
+
+
 def decode(blob: bytes) -> PeerMetadata:
     if not isinstance(blob, bytes | bytearray | memoryview):
         raise MetadataUnreadable(f"expected bytes, found {type(blob).__name__}")
