@@ -27,7 +27,7 @@ from kvhandoff.core.lifecycle import (
 
 __all__ = [
     "TimingConfig", "Verdict", "heartbeat_due", "heartbeat_plan", "next_heartbeat", "report_due",
-    "last_vouched", "MIN_LEASE_S",
+    "last_vouched", "MIN_LEASE_S", "MAX_LEASE_S", "MIN_MARGIN_S", "TimingError",
     "heartbeat_period", "read_deadline", "expired_leases", "to_free",
     "to_forget", "forgotten_when_freed", "lease_time_left", "read_verdict", "reads_to_report",
 ]
@@ -42,6 +42,21 @@ REMEMBER_LEASES = 2
 # request with a lease of a microsecond made D heartbeat that rank, naming every request
 # it holds there, at every poll.
 MIN_LEASE_S = 1.0
+# The longest: D remembers a request two leases after it ends (parameters single-use).
+MAX_LEASE_S = 86400.0
+# D's smallest margin on P's reported time left.  P's lease ends at its deadline (it
+# expires and frees at ``t >= deadline``), so D's bound must end before it: with no margin
+# a READ completing at that very instant was confirmed, and a margin far below a clock
+# value's float resolution (1e-12 s at an uptime of 11 days) is no margin either.
+MIN_MARGIN_S = 0.001
+
+
+class TimingError(ValueError):
+    """A timing setting out of range: names it, what was expected and what was found."""
+
+    def __init__(self, name: str, expected: str, found: object) -> None:
+        self.name, self.expected, self.found = name, expected, found
+        super().__init__(f"{name}: expected {expected}, found {found!r}")
 
 _TO_FREE = frozenset({PState.RELEASED, PState.EXPIRED, PState.ABORTED})
 
@@ -62,18 +77,14 @@ class TimingConfig:
 
     def __post_init__(self) -> None:
         if not self.lease_s > 0:
-            raise ValueError(f"lease_s: expected > 0, found {self.lease_s!r}")
+            raise TimingError("lease_s", "> 0", self.lease_s)
         if not 0 < self.heartbeat_interval_s:
-            raise ValueError(f"heartbeat_interval_s: expected > 0, found "
-                             f"{self.heartbeat_interval_s!r}")
-        # > 0: P's lease ends at its deadline (it expires and frees at t >= deadline), so
-        # D's bound on it must end before; with no margin a READ completing at the very
-        # instant P freed was confirmed.
-        if not 0 < self.lease_margin_s < self.lease_s:
-            raise ValueError(f"lease_margin_s: expected > 0 and < lease_s, found "
-                             f"{self.lease_margin_s!r}")
+            raise TimingError("heartbeat_interval_s", "> 0", self.heartbeat_interval_s)
+        if not MIN_MARGIN_S <= self.lease_margin_s < self.lease_s:
+            raise TimingError("lease_margin_s", f">= {MIN_MARGIN_S:g} and < lease_s "
+                              f"({self.lease_s:g})", self.lease_margin_s)
         if not self.read_timeout_s > 0:
-            raise ValueError(f"read_timeout_s: expected > 0, found {self.read_timeout_s!r}")
+            raise TimingError("read_timeout_s", "> 0", self.read_timeout_s)
 
 
 def _records(state: LifecycleState, stream: Stream):

@@ -9,11 +9,14 @@ a string value as it is unless it holds a space, ``=``, a quote or a line
 break: an escape sequence (``ESC [1A ESC [2K``), ``\\x85`` or ``\\u2028`` in an
 id would move the operator's cursor and draw a line of the client's choosing.
 
-Every kvhandoff module logs through `get_logger`: before structlog sees a
-call, each string value that is not printable goes through `printable`, and
-one longer than `MAX_CHARS` is cut there (its length said), so a peer's
-10 MB string is not 10 MB of log.  Other values are shown by structlog with
-``repr``, which escapes.
+Every kvhandoff module logs through `get_logger` (tests/test_safelog.py
+checks that none calls ``structlog.get_logger`` itself): before structlog sees
+a call, each string value longer than `MAX_CHARS` is cut (its length said), so
+a peer's 10 MB string is not 10 MB of log, and one that is not printable or
+holds a backslash goes through `printable` (a backslash too, so that an
+escaped ``\\x1b`` and a client's literal one read differently).  Other values
+(numbers, lists of ids) are shown by structlog with ``repr``, which escapes
+but does not cut.
 """
 
 from __future__ import annotations
@@ -43,12 +46,13 @@ def printable(text: object) -> str:
 
 
 def shown(text: str, limit: int = MAX_CHARS) -> str:
-    """``text`` for one log field or message: `printable` when it is not, cut to ``limit``."""
-    if not text.isprintable():
-        text = printable(text)
-    if len(text) > limit:
-        return f"{text[:limit]}... ({len(text)} chars)"
-    return text
+    """``text`` for one log field: its first ``limit`` characters through `printable` (cut
+    first: escaping costs a pass over what is escaped, and a client picks the length),
+    and its length when it was longer."""
+    head = text[:limit]
+    if not head.isprintable() or "\\" in head:
+        head = printable(head)
+    return head if len(text) <= limit else f"{head}... ({len(text)} chars)"
 
 
 _BOUNDED = reprlib.Repr()  # Python 3.11's takes no keywords
@@ -65,7 +69,8 @@ def bounded_repr(value: object) -> str:
 
 def _safe(fields: dict) -> dict:
     for value in fields.values():
-        if type(value) is str and (len(value) > MAX_CHARS or not value.isprintable()):
+        if type(value) is str and (len(value) > MAX_CHARS or not value.isprintable()
+                                   or "\\" in value):
             return {k: shown(v) if type(v) is str else v for k, v in fields.items()}
     return fields
 

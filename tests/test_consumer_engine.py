@@ -731,25 +731,29 @@ def test_a_lost_message_of_a_keep_alive_in_several_is_made_up_as_for_one(engine,
     assert named <= (2.2 if lost == "send" else 2.1 + 2.0 / 4 + 0.05)
 
 
-def test_a_read_completing_at_the_instant_p_s_lease_ended_is_not_proven():
+@pytest.mark.parametrize("t0", [0.0, 1e6])  # 1e6: `time.monotonic()` after 11 days up
+def test_a_read_completing_at_the_instant_p_s_lease_ended_is_not_proven(t0):
     """P's lease ends at its deadline: P expires and frees at ``t >= deadline``.  With no
     lease margin, D's bound from P's answer was that very deadline, and D confirmed a READ
-    that completed at the instant P freed.  The margin must be > 0, and with the smallest
+    that completed at the instant P freed; so it did with a margin below the clock's float
+    resolution (1e-12 s at t = 1e6).  The margin is at least 1 ms, and with the smallest
     one the READ waits for more proof."""
+    from kvhandoff.core.policy import MIN_MARGIN_S, TimingError
     from kvhandoff.core.producer import ProducerEngine
 
-    with pytest.raises(ValueError, match="lease_margin_s: expected > 0"):
-        TimingConfig(lease_s=10.0, heartbeat_interval_s=5.0, lease_margin_s=0.0)
+    for margin in (0.0, 1e-12, MIN_MARGIN_S / 2):
+        with pytest.raises(TimingError, match="lease_margin_s: expected >= 0.001"):
+            TimingConfig(lease_s=10.0, heartbeat_interval_s=5.0, lease_margin_s=margin)
     p = ProducerEngine(Stream("prefill-0", Side.P, 0), lease_s=10.0)
     d = ConsumerEngine(D0, TimingConfig(lease_s=10.0, heartbeat_interval_s=5.0,
-                                        lease_margin_s=1e-6))
-    p.exported("r1", 0.0, 4, (0,), token="tok")
-    assert d.admit("r1", 0.0, peer=P_AGENT, remote_engine="prefill-0", remote_ranks=(0,),
+                                        lease_margin_s=MIN_MARGIN_S))
+    p.exported("r1", t0, 4, (0,), token="tok")
+    assert d.admit("r1", t0, peer=P_AGENT, remote_engine="prefill-0", remote_ranks=(0,),
                    num_blocks=4, lease_s=10.0, token="tok")
-    assert d.validated("r1", 0.0) and d.reads_posted("r1", 0.0, (0,))
-    peer, hb, urgent = _beat(d, 4.0).heartbeats[0]
-    (_, ack), = p.on_notification("decode-0", decode(encode(hb)), 4.0).acks
-    d.on_notification(P_AGENT, decode(encode(ack)), 4.0)  # P holds it 10 s more: until 14
-    assert p.poll(14.0).freed == ["r1"]  # no later heartbeat got through
-    d.split_done("r1", 0, 14.0)
-    assert not [f for f in d.poll(14.0).finished if f.ok]
+    assert d.validated("r1", t0) and d.reads_posted("r1", t0, (0,))
+    peer, hb, urgent = _beat(d, t0 + 4.0).heartbeats[0]
+    (_, ack), = p.on_notification("decode-0", decode(encode(hb)), t0 + 4.0).acks
+    d.on_notification(P_AGENT, decode(encode(ack)), t0 + 4.0)  # P holds it 10 s more
+    assert p.poll(t0 + 14.0).freed == ["r1"]  # no later heartbeat got through
+    d.split_done("r1", 0, t0 + 14.0)
+    assert not [f for f in d.poll(t0 + 14.0).finished if f.ok]

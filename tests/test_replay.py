@@ -356,6 +356,20 @@ def test_an_output_that_cannot_be_written_leaves_the_other_unwritten(tmp_path, c
             assert not out.exists()
 
 
+def test_an_svg_that_fails_as_it_is_written_takes_the_new_trace_with_it(tmp_path, capsys):
+    """A failure the check before writing cannot see (a name too long for the file system):
+    the trace this run had just made is removed, so nothing is left half done."""
+    e = Engines(tmp_path)
+    e.start_read("req-1", 1.0)
+    e.finish_read("req-1", 2.0)
+    paths = e.close()
+    trace = tmp_path / "t.json"
+    assert main(["replay", *paths, "--trace", str(trace), "--svg",
+                 str(tmp_path / ("x" * 300))]) == 2
+    assert capsys.readouterr().err.startswith(f"kvhandoff replay: --svg {tmp_path}/xxx")
+    assert not trace.exists()
+
+
 def test_corrupt_log_names_file_and_line(tmp_path, capsys):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b'{"v":1,"type":"exported"}\n')

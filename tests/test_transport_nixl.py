@@ -107,9 +107,17 @@ class TestNixlHostContract(TransportContract):
         header = orjson.dumps(orjson.loads(metadata[start:start + n]) | {"agent": "Q"})
         forged = (wire.MAGIC + struct.pack("<I", len(header)) + header
                   + stranger.get_agent_metadata())
-        with pytest.raises(TransportError, match=r"metadata of agent 'Q' carries NIXL metadata "
-                                                 r"of agent 'bad\\\\xff'"):
-            pair.d.add_peer(forged)
+        agent = pair.d._agent
+        loaded = []
+        load = agent.add_remote_agent
+        agent.add_remote_agent = lambda md: (loaded.append(md), load(md))[1]
+        try:
+            with pytest.raises(TransportError, match=r"metadata of agent 'Q' carries NIXL "
+                                                     r"metadata of agent 'bad\\\\xff'"):
+                pair.d.add_peer(forged)
+        finally:
+            del agent.add_remote_agent
+        assert loaded == []  # NIXL never loaded it
         assert wire.nixl_agent_name(metadata[start + n:]) == p_name.encode()
 
     def test_a_peer_that_dies_mid_read_fails_the_read_and_is_reported_lost(self, pair):

@@ -192,10 +192,15 @@ def test_a_restart_within_the_same_second_keeps_every_predecessor_s_log(tmp_path
     ({"failure_policy": "retry"}, "retry", "failure_policy"),
     ({"debug_read_delay_param": 1}, "fail", "debug_read_delay_param"),
     # vLLM reads --kv-transfer-config with json.loads, which takes NaN and Infinity: a NaN
-    # passed every range check, then every handshake failed or P's notification thread died.
-    *(({key: bad}, "fail", key) for bad in (math.nan, math.inf, -math.inf, 10**400)
+    # passed every range check, then every handshake failed or P's notification thread died;
+    # so did a wait past what a thread's wait takes (1e10 s), and a lease past what D takes.
+    *(({key: bad}, "fail", key) for bad in (math.nan, math.inf, -math.inf, 10**400, 1e10, -1)
       for key in ("lease_s", "heartbeat_interval_s", "lease_margin_s", "read_timeout_s",
                   "handshake_timeout_s", "notif_poll_s", "idle_poll_s", "debug_read_delay_s")),
+    ({"lease_s": 86401}, "fail", "lease_s"),  # D refuses parameters with a longer lease
+    ({"notif_poll_s": 1e-6}, "fail", "notif_poll_s"),  # P's notification thread would spin
+    ({"idle_poll_s": 0}, "fail", "idle_poll_s"),
+    ({"lease_margin_s": 1e-12}, "fail", "lease_margin_s"),  # no margin at a clock of 1e6 s
 ])
 def test_config_refuses_bad_values_at_start(extra, policy, key):
     with pytest.raises(ConnectorConfigError, match=key):
@@ -217,7 +222,8 @@ def test_every_setting_is_in_the_operator_guide_s_table_and_the_module_s():
 
 def test_config_takes_nan_and_infinity_from_the_json_vllm_reads_as_bad_values():
     extra = json.loads('{"handshake_timeout_s": NaN, "idle_poll_s": Infinity}')
-    with pytest.raises(ConnectorConfigError, match=r"handshake_timeout_s.*a finite number, found nan"):
+    with pytest.raises(ConnectorConfigError,
+                       match=r"handshake_timeout_s.*seconds in \[0, 86400\], found nan"):
         HandoffConfig.from_extra(extra, "fail", env={})
 
 
@@ -436,7 +442,7 @@ def test_p_exports_no_request_id_that_d_would_refuse(client_id):
 
 
 @pytest.mark.parametrize("field", ["remote_port", "lease_s", "release_token", "protocol",
-                                   "kvhandoff_fence_slot", "remote_host"])
+                                   "kvhandoff_fence_slot", "remote_host", "do_remote_prefill"])
 def test_d_logs_a_client_s_request_id_escaped_and_a_huge_field_bounded(field):
     """vLLM's request id carries the client's text (``cmpl-<it>-<random>``) and D logged it
     raw: under ``vllm serve`` structlog's console renderer writes an ESC sequence as it is,

@@ -361,9 +361,9 @@ def _handoff(route: _Route, exit_codes: dict[str, int | None], freed_in_s: float
 
 def _one_connector(connector: str, model: str, args: argparse.Namespace,
                    concurrencies: list[int], workdir: Path) -> dict[str, Any]:
-    import structlog
+    from kvhandoff.core.safelog import get_logger
 
-    say = structlog.get_logger("kvhandoff.bench.serve").info
+    say = get_logger("kvhandoff.bench.serve").info
     route = _Route(connector, model, workdir)
     rows, cancel, freed_in = [], None, None
     try:

@@ -181,17 +181,27 @@ def write_pictures(events: list, args) -> dict[str, str]:
     if args.request is not None:
         events = [e for e in events if e.request_id == args.request]
     tl = timeline(events)
-    written: dict[str, str] = {}
+    outputs: list[tuple[str, str, bytes]] = []
     if args.trace:
         # No displayTimeUnit: Perfetto reads ts in that unit (the format says it only
         # sets the display), so "ms" would stretch the trace a thousandfold there.
         doc = {"traceEvents": trace_events(tl),
                "otherData": {"source": "kvhandoff replay --trace",
                              "clock": "each engine's own clock, as logged (ts = t x 10^6)"}}
-        _write("trace", args.trace, orjson.dumps(doc))
-        written["trace"] = args.trace
+        outputs.append(("trace", args.trace, orjson.dumps(doc)))
     if args.svg:
         title = ", ".join(sorted({str(s) for s in tl.streams}))
-        _write("svg", args.svg, render_svg([(title, tl)], request=args.request).encode())
-        written["svg"] = args.svg
-    return written
+        outputs.append(("svg", args.svg,
+                        render_svg([(title, tl)], request=args.request).encode()))
+    made: list[str] = []  # files this run created: removed if a later one cannot be written
+    try:
+        for option, path, data in outputs:
+            new = not os.path.lexists(path)
+            _write(option, path, data)
+            if new:
+                made.append(path)
+    except _WriteFailed:
+        for path in made:
+            os.unlink(path)
+        raise
+    return {option: path for option, path, _ in outputs}

@@ -2,21 +2,23 @@
 
 Every setting has a documented default (docs/operator-guide.md repeats this
 table).  Unknown keys and values of the wrong type are refused at start-up
-with `ConnectorConfigError`, never discovered mid-request.
+with `ConnectorConfigError`, never discovered mid-request.  Every number of
+seconds is in [0, 86400] (NaN and Infinity, which vLLM's ``json.loads`` takes,
+are refused).
 
 | key                    | default             | meaning                                              |
 |------------------------|---------------------|------------------------------------------------------|
 | lease_s                | 30.0                | P keeps exported blocks this long without a heartbeat (>= 1) |
 | heartbeat_interval_s   | lease_s / 6         | D heartbeats each P rank at most this far apart (P's lease / 6 when shorter) |
-| lease_margin_s         | min(1.0, lease_s/10)| D's safety margin on P's reported time left          |
+| lease_margin_s         | min(1.0, lease_s/10)| D's safety margin on P's reported time left (>= 0.001) |
 | read_timeout_s         | 30.0                | a READ still in flight after this is failed (sooner: one lease without word from P) |
 | failure_policy         | vLLM's kv_load_failure_policy | fail | recompute (must agree with vLLM's) |
 | log_dir                | $TMPDIR/kvhandoff-events-<uid>-<engine_id> (mode 0700) | where each engine writes its event log (created by its first worker) |
 | side_channel_host      | $VLLM_NIXL_SIDE_CHANNEL_HOST or 127.0.0.1 | P's metadata listener (advertised to D) |
 | side_channel_port      | $VLLM_NIXL_SIDE_CHANNEL_PORT or 5600 | P's listener port (+ TP rank)      |
 | handshake_timeout_s    | 5.0                 | D gives up on an unreachable P after this            |
-| notif_poll_s           | 0.0005              | P's notification poll period while leases are live   |
-| idle_poll_s            | 0.05                | P's notification poll period with no live lease      |
+| notif_poll_s           | 0.0005              | P's notification poll period while leases are live (>= 0.0001) |
+| idle_poll_s            | 0.05                | P's notification poll period with no live lease (>= 0.0001) |
 | producer_tp_size       | 0 (unchecked)       | D: P's TP size; a mismatch is refused at start-up     |
 | fence_slots            | 131072              | P: fence slots per rank (8 bytes each, host memory), one per live export; 0: no fence, D asks P instead |
 | debug_read_delay_s     | 0.0                 | tests only: hold each READ's completion this long    |
@@ -39,7 +41,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvhandoff.core.fence import FENCE_SLOTS
-from kvhandoff.core.policy import MIN_LEASE_S, TimingConfig
+from kvhandoff.core.policy import MAX_LEASE_S, MIN_LEASE_S, TimingConfig, TimingError
 
 
 class ConnectorConfigError(ValueError):
@@ -57,6 +59,8 @@ class UnsupportedTopology(RuntimeError):
 
 FAILURE_POLICIES = ("fail", "recompute")
 LOOPBACK_PRODUCERS = ("127.0.0.0/8", "localhost")
+MAX_SECONDS = MAX_LEASE_S  # of any duration setting: a day
+MIN_POLL_S = 1e-4  # P's notification poll periods: shorter, its thread spins
 TRUSTED_PRODUCERS_ENV = "KVHANDOFF_TRUSTED_PRODUCERS"  # comma-separated; the extra config wins
 
 
@@ -109,11 +113,11 @@ class HandoffConfig:
                 continue
             v = extra[f.name]
             if f.type in ("float", float):
-                # JSON as vLLM reads it (`json.loads`) takes NaN and Infinity: a NaN passes
-                # every range check below and fails mid-request (a wait of NaN seconds).
-                # (Compared, not `math.isfinite`: an int past a float's range raises there.)
-                if isinstance(v, bool) or not isinstance(v, int | float) or not -1e18 < v < 1e18:
-                    raise ConnectorConfigError(f.name, "a finite number", v)
+                # Every float setting is a duration.  JSON as vLLM reads it (`json.loads`)
+                # takes NaN and Infinity, which pass a one-sided check (a wait of NaN
+                # seconds), and a wait past a day overflows what the threads' waits take.
+                if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= MAX_SECONDS:
+                    raise ConnectorConfigError(f.name, f"seconds in [0, {MAX_SECONDS:g}]", v)
                 v = float(v)
             elif f.type in ("bool", bool):
                 if not isinstance(v, bool):
@@ -143,15 +147,19 @@ class HandoffConfig:
             raise ConnectorConfigError(
                 "failure_policy", f"{vllm_failure_policy!r} (kv_transfer_config.kv_load_failure_policy)",
                 policy)
-        if values["heartbeat_interval_s"] <= 0 or values["heartbeat_interval_s"] >= lease:
+        if values["heartbeat_interval_s"] >= lease:
             raise ConnectorConfigError("heartbeat_interval_s", f"> 0 and < lease_s ({lease})",
                                        values["heartbeat_interval_s"])
-        if not 0 < values["lease_margin_s"] < lease:  # (`TimingConfig` says why not 0)
-            raise ConnectorConfigError("lease_margin_s", f"> 0 and < lease_s ({lease})",
-                                       values["lease_margin_s"])
-        for key in ("read_timeout_s", "handshake_timeout_s", "notif_poll_s", "idle_poll_s"):
-            if values.get(key, defaults[key]) <= 0:
-                raise ConnectorConfigError(key, "> 0", values[key])
+        try:  # the lifecycle's own rules for its timing settings (`TimingConfig`)
+            TimingConfig(lease, values["heartbeat_interval_s"], values["lease_margin_s"],
+                         values.get("read_timeout_s", defaults["read_timeout_s"]))
+        except TimingError as exc:
+            raise ConnectorConfigError(exc.name, exc.expected, exc.found) from None
+        if values.get("handshake_timeout_s", defaults["handshake_timeout_s"]) <= 0:
+            raise ConnectorConfigError("handshake_timeout_s", "> 0", values["handshake_timeout_s"])
+        for key in ("notif_poll_s", "idle_poll_s"):  # shorter: the thread spins
+            if values.get(key, defaults[key]) < MIN_POLL_S:
+                raise ConnectorConfigError(key, f">= {MIN_POLL_S:g}", values[key])
         if not 0 <= values.get("fence_slots", FENCE_SLOTS) < 2**31:
             raise ConnectorConfigError("fence_slots", ">= 0 and < 2**31", values["fence_slots"])
         if values.get("producer_tp_size", 0) < 0:

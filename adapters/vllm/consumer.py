@@ -43,7 +43,7 @@ from kvhandoff.core.planning import (
     tokens_prefilled,
     validate_block_ids,
 )
-from kvhandoff.core.safelog import get_logger
+from kvhandoff.core.safelog import bounded_repr, get_logger
 from kvhandoff.transports.base import UnknownPeer, group_splits
 
 log = get_logger(__name__)
@@ -234,7 +234,7 @@ class ConsumerHalf:
                     if not all(type(v) is int for v in (num_blocks, tp_size, fence_slots)):
                         raise HandshakeFailed(f"{key[0]}:{key[1]}: num_blocks / tp_size / "
                                               f"fence_slots must be integers, found "
-                                              f"{num_blocks!r} / {tp_size!r} / {fence_slots!r}")
+                                              f"{bounded_repr((num_blocks, tp_size, fence_slots))}")
                     if fence_slots < 0:
                         raise HandshakeFailed(f"{key[0]}:{key[1]}: fence_slots must be >= 0, "
                                               f"found {fence_slots}")

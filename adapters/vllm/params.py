@@ -16,10 +16,9 @@ from typing import Any
 
 from kvhandoff.core.errors import MalformedMessage
 from kvhandoff.core.groups import SCHEMA_VERSION as LAYOUT_VERSION
-from kvhandoff.core.policy import MIN_LEASE_S
+from kvhandoff.core.policy import MAX_LEASE_S, MIN_LEASE_S
 from kvhandoff.core.safelog import bounded_repr
 
-MAX_LEASE_S = 86400.0
 MAX_GROUPS = 64
 
 PROTOCOL = "kvhandoff/1"

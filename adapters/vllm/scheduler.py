@@ -48,7 +48,7 @@ from kvhandoff.adapters.vllm.params import (
 from kvhandoff.core.fence import FenceSlots
 from kvhandoff.core.groups import CacheLayout
 from kvhandoff.core.planning import export_ids, prefill_backoff, tokens_loaded
-from kvhandoff.core.safelog import get_logger
+from kvhandoff.core.safelog import bounded_repr, get_logger
 
 log = get_logger(__name__)
 
@@ -170,7 +170,7 @@ class HandoffScheduler:
             if params.get("do_remote_prefill") is not True:
                 raise MalformedTransferParams(
                     f"kv_transfer_params['do_remote_prefill']: expected true, "
-                    f"found {params.get('do_remote_prefill')!r}")
+                    f"found {bounded_repr(params.get('do_remote_prefill'))}")
             wire = parse_remote_prefill(params).to_wire()
         except (MalformedTransferParams, AttributeError) as exc:
             error = str(exc) if isinstance(exc, MalformedTransferParams) else (

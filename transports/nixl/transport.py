@@ -222,6 +222,14 @@ class NixlTransport:
         meta = wire.decode(metadata)
         if meta.agent == self.name:
             raise TransportError(f"{self.name}: metadata names this agent itself")
+        named = wire.nixl_agent_name(meta.nixl)
+        if named is not None and named != meta.agent.encode():
+            # Refused before NIXL loads it, and before a held peer of that name is dropped:
+            # NIXL's binding returns the loaded name as text, so a name that is not UTF-8
+            # raised after the load and the agent stayed loaded.
+            raise TransportError(f"{self.name}: metadata of agent {meta.agent!r} carries NIXL "
+                                 f"metadata of agent "
+                                 f"{bounded_repr(named.decode(errors='backslashreplace'))}")
         if not meta.regions:
             raise PeerNotReady(f"peer {meta.agent!r} has not registered any memory yet "
                                f"(generation {meta.generation}): re-fetch its metadata")
@@ -234,13 +242,6 @@ class NixlTransport:
                 raise TransportError(f"{self.name}: peer {meta.agent!r} re-announced while "
                                      f"{len(old.inflight)} READs from it are in flight")
             self._drop_peer(old)
-        named = wire.nixl_agent_name(meta.nixl)
-        if named is not None and named != meta.agent.encode():
-            # Refused before NIXL loads it: NIXL's binding returns the loaded name as text,
-            # so a name that is not UTF-8 raised after the load and the agent stayed loaded.
-            raise TransportError(f"{self.name}: metadata of agent {meta.agent!r} carries NIXL "
-                                 f"metadata of agent "
-                                 f"{bounded_repr(named.decode(errors='backslashreplace'))}")
         try:
             name = self._agent.add_remote_agent(meta.nixl)
         except Exception as exc:  # NIXL connects while loading: a dead peer fails here

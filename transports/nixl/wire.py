@@ -121,6 +121,6 @@ def decode(blob: bytes) -> PeerMetadata:
 def _region(name, kind, dev, addr, bb, nb, stride=0) -> RemoteRegion:
     bb, nb, stride = int(bb), int(nb), int(stride)
     if bb <= 0 or nb <= 0 or (stride and stride < bb):
-        raise ValueError(f"region {name!r}: {nb} x {bb}, stride {stride}")
+        raise ValueError(f"region {bounded_repr(name)}: {nb} x {bb}, stride {stride}")
     return RemoteRegion(str(name), MemoryKind(kind), int(dev), int(addr), bb, nb,
                         0 if stride == bb else stride)
