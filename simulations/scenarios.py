@@ -250,6 +250,18 @@ def _forged_ack(cfg: RunConfig, rng: random.Random) -> None:
     _slow_reads(cfg, share=0.3, lo=0.01, hi=0.1)
 
 
+@scenario("late_acknowledgements",
+          "P's answers arrive late (most of a lease) while heartbeats are being lost and READs "
+          "run about a lease, with no fence: D must bound P's lease from when it asked, not "
+          "from when the answer came, and never serve what P freed meanwhile")
+def _late_acks(cfg: RunConfig, rng: random.Random) -> None:
+    cfg.fence_slots = 0  # P's answers are D's only proof
+    cfg.notif_faults = {"ack": NotifFaults(delay=1.0, delay_s=rng.uniform(0.3, 0.8) * cfg.lease_s),
+                        "hb": NotifFaults(drop=rng.uniform(0.85, 0.95))}
+    _slow_reads(cfg, share=0.8, lo=0.8, hi=1.5)
+    cfg.exceeds_lease = True  # heartbeats lost without bound: P may expire under a READ
+
+
 @scenario("retry_after_release",
           "the client retries a finished request at a second decode engine with the same "
           "transfer parameters: that reader READs blocks P released (and may reuse) and must "

@@ -109,6 +109,20 @@ def test_vllm_032_serves_freed_bytes_after_a_partition_longer_than_the_lease():
     assert new.totals["failed"] > 0
 
 
+def test_an_answer_that_arrives_late_proves_the_lease_from_when_d_asked():
+    """P's answers arrive most of a lease late while P hears few heartbeats, and there is
+    no fence: an answer proves P's lease from when D asked (its heartbeat's ``sent_at``),
+    not from when it arrived.  Taken from its arrival (the ``lease_bound_from_receipt``
+    mutant) D served READs that completed after P's lease ran out (``served_unproven``);
+    taken from the ask it fails them.  vLLM 0.32 asks nothing and serves them all."""
+    new = sweep(["late_acknowledgements"], range(40), "kvhandoff")
+    assert new.violations == []
+    assert new.totals["freed_under_read"] > 0 and new.totals["failed"] > 0
+    assert new.totals["served"] > 0 and new.totals["served_unproven"] == 0
+    old = sweep(["late_acknowledgements"], range(10), "vllm-0.32")
+    assert old.totals["served_unproven"] > 0
+
+
 def test_with_every_acknowledgement_lost_the_fence_proves_reads_that_would_all_fail():
     """P's fence (docs/lifecycle.md, "The fence"): D proves its drained READs by reading it,
     so losing every answer P sends costs nothing; without it (P registers no slots, as
