@@ -50,20 +50,14 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import groupby
-from operator import attrgetter
+from itertools import chain, groupby, islice
+from operator import attrgetter, le
 
 from kvhandoff.core.errors import InvalidTransition, LifecycleError
 from kvhandoff.core.events import (
     EXTRA_FIELDS,
-    Admitted,
     Event,
-    Exported,
-    FenceHeld,
-    Forgotten,
     Freed,
-    LeaseAcknowledged,
-    PrefillStarted,
     Side,
     Stream,
 )
@@ -162,6 +156,9 @@ class Replay:
     named_producers: set = field(default_factory=set)
     # (D stream, request) -> its keys in ``proofs`` (dropped when it is forgotten).
     proof_keys: dict = field(default_factory=dict)
+    # request id -> the D streams holding a record of it (admitted, not forgotten): where a
+    # P free looks for READs in flight, instead of in every D stream.
+    readers: dict = field(default_factory=dict)
 
     def missing_producers(self) -> list[str]:
         """P engines named by D's requests whose log is not among the replayed ones."""
@@ -226,7 +223,18 @@ def _per_stream(events: Sequence[Event]) -> dict[Stream, list[Event]]:
 
 
 def _merge(per_stream: dict[Stream, list[Event]]) -> list[Event]:
-    return list(heapq.merge(*per_stream.values(), key=_TIME))
+    # A stable sort of the streams laid end to end is the same order as heapq.merge's
+    # (ties go to the earlier stream, then to the earlier event) when each stream is in
+    # time order, as engines write them; timsort merges those runs in C.
+    runs = per_stream.values()
+    if all(_in_time_order(run) for run in runs):
+        return sorted(chain.from_iterable(runs), key=_TIME)
+    return list(heapq.merge(*runs, key=_TIME))
+
+
+def _in_time_order(run: list[Event]) -> bool:
+    times = list(map(_TIME, run))
+    return all(map(le, times, islice(times, 1, None)))
 
 
 def replay(events: Sequence[Event], *, request: str | None = None, until: int | None = None,
@@ -257,9 +265,11 @@ def _fold_and_check(result: Replay, ordered: list[Event], request: str | None,
     # checks' memory stays bounded on a long log; ``expiring``: (until, key, free time).
     freed_at: dict[tuple[str, int, str], float] = {}
     expiring: list[tuple[float, tuple[str, int, str], float]] = []
+    readers = result.readers
     folded = 0
     for event in ordered:
-        while expiring and expiring[0][0] < event.t:
+        t = event.t
+        while expiring and expiring[0][0] < t:
             _, key, t_free = heapq.heappop(expiring)
             if freed_at.get(key) == t_free:
                 del freed_at[key]
@@ -278,23 +288,25 @@ def _fold_and_check(result: Replay, ordered: list[Event], request: str | None,
             _skip(state, event)
             continue
         folded += 1
-        stream = event.stream
-        rec = streams[stream].requests.get(event.request_id)
-        if timeline is not None and (request is None or event.request_id == request):
+        stream, rid, kind = event.stream, event.request_id, event.kind
+        ss = streams[stream]
+        rec = ss.requests.get(rid)
+        if timeline is not None and (request is None or rid == request):
             timeline.append((event, rec.state.value if rec is not None else "-"))
-        if isinstance(event, Forgotten):  # the id is unknown again: so are D's cross checks
+        if kind == "forgotten":  # the id is unknown again: so are D's cross checks
             _forget(result, event)
         elif stream.side is Side.P:
-            if isinstance(event, Freed):
-                key = (stream.engine, stream.rank, event.request_id)
-                freed_at[key] = event.t
-                heapq.heappush(expiring, (event.t + REMEMBER_LEASES * rec.lease_s, key, event.t))
-                result.freed_under_read += _reads_in_flight(state, event)
-            elif isinstance(event, (PrefillStarted, Exported)):  # the id names a new request
-                freed_at.pop((stream.engine, stream.rank, event.request_id), None)
-        elif isinstance(rec, ConsumerRecord):
-            if isinstance(event, Admitted):
+            if kind == "freed":
+                key = (stream.engine, stream.rank, rid)
+                freed_at[key] = t
+                heapq.heappush(expiring, (t + REMEMBER_LEASES * rec.lease_s, key, t))
+                result.freed_under_read += _reads_in_flight(readers.get(rid, {}), event)
+            elif kind == "prefill_started" or kind == "exported":  # the id names a new request
+                freed_at.pop((stream.engine, stream.rank, rid), None)
+        elif rec is not None:  # a D stream's records are all ConsumerRecords
+            if kind == "admitted":
                 result.named_producers.add(rec.remote_engine)
+                readers.setdefault(rid, {})[stream] = ss
             _check_consumer(result, freed_at, event, rec)
     return folded
 
@@ -306,6 +318,11 @@ def _forget(result: Replay, event: Event) -> None:
     result.gap_reported_at.pop((stream, rid), None)
     for key in result.proof_keys.pop((stream, rid), ()):
         result.proofs.drop(key)
+    holders = result.readers.get(rid)
+    if holders is not None:
+        holders.pop(stream, None)
+        if not holders:
+            del result.readers[rid]
 
 
 def _skip(state: LifecycleState, event: Event) -> None:
@@ -314,14 +331,14 @@ def _skip(state: LifecycleState, event: Event) -> None:
     ss.last_seq = max(ss.last_seq, event.seq)
 
 
-def _reads_in_flight(state: LifecycleState, freed: Event) -> int:
+def _reads_in_flight(holders: dict, freed: Event) -> int:
+    """D records of ``freed``'s request, among the D streams in ``holders``, with a READ of
+    the freeing P rank still in flight."""
     engine, rank, rid = freed.stream.engine, freed.stream.rank, freed.request_id
     count = 0
-    for ss in state.streams.values():
-        if ss.stream.side is not Side.D:
-            continue
+    for ss in holders.values():
         rec = ss.requests.get(rid)
-        if (isinstance(rec, ConsumerRecord) and rec.remote_engine == engine
+        if (rec is not None and rec.remote_engine == engine
                 and any(r == rank and d is None for r, d in zip(rec.split_ranks, rec.split_done,
                                                                  strict=True))):
             count += 1
@@ -329,12 +346,13 @@ def _reads_in_flight(state: LifecycleState, freed: Event) -> int:
 
 
 def _check_consumer(result: Replay, freed_at: dict, event: Event, rec: ConsumerRecord) -> None:
-    if isinstance(event, LeaseAcknowledged) and rec.t0 <= event.sent_at <= rec.last_heartbeat:
+    kind = event.kind
+    if kind == "lease_acknowledged" and rec.t0 <= event.sent_at <= rec.last_heartbeat:
         # (an answer that echoes no heartbeat D sent for this request proves nothing)
         key = (event.stream, event.request_id, event.p_rank)
         result.proofs.note(key, event.sent_at, event.time_left, rec.lease_s, rec.margin)
         result.proof_keys.setdefault((event.stream, event.request_id), set()).add(key)
-    elif isinstance(event, FenceHeld):
+    elif kind == "fence_held":
         key = (event.stream, event.request_id, event.p_rank)
         result.proofs.fence(key, event.posted_at)
         result.proof_keys.setdefault((event.stream, event.request_id), set()).add(key)
@@ -347,7 +365,7 @@ def _check_consumer(result: Replay, freed_at: dict, event: Event, rec: ConsumerR
     # A gap counts from the later of the last heartbeat and the last report, so
     # none is reported unless the one from the last heartbeat alone is too long.
     if event.t - rec.last_heartbeat > rec.lease_s and (
-            rec.state in HEARTBEAT_STATES or event.kind == "finished_recving"):
+            rec.state in HEARTBEAT_STATES or kind == "finished_recving"):
         key = (event.stream, event.request_id)
         gap = event.t - max(rec.last_heartbeat, result.gap_reported_at.get(key, -math.inf))
         if gap > rec.lease_s:
@@ -355,7 +373,7 @@ def _check_consumer(result: Replay, freed_at: dict, event: Event, rec: ConsumerR
                 "heartbeat_gap", describe(event),
                 f"no heartbeat for {gap:.3f}s (lease {rec.lease_s}s) while in {rec.state.value}"))
             result.gap_reported_at[key] = event.t  # report each gap once
-    if rec.state is DState.RECEIVED and event.kind == "finished_recving" and not rec.cancelled:
+    if rec.state is DState.RECEIVED and kind == "finished_recving" and not rec.cancelled:
         for rank, done in zip(rec.split_ranks, rec.split_done, strict=True):
             t_free = freed_at.get((rec.remote_engine, rank, event.request_id))
             if t_free is not None and isinstance(done, float) and done > t_free:
