@@ -421,8 +421,9 @@ def read_logs(paths: Sequence[str | os.PathLike]) -> list[Event]:
     """Read several logs (e.g. P's and D's); a stream may continue across files in order."""
     reader = _Reader()
     events: list[Event] = []
-    for path in paths:
-        events.extend(reader.iter_file(path))
+    with gc_paused():  # one pause for the whole read: each chunk's would rescan it after
+        for path in paths:
+            events.extend(reader.iter_file(path))
     return events
 
 

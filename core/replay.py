@@ -75,6 +75,7 @@ from kvhandoff.core.policy import REMEMBER_LEASES
 from kvhandoff.core.safelog import printable
 
 _TIME = attrgetter("t")
+_STREAM = attrgetter("stream")
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,8 +218,8 @@ def merge_by_time(events: Sequence[Event]) -> list[Event]:
 def _per_stream(events: Sequence[Event]) -> dict[Stream, list[Event]]:
     """Each stream's events in their order, streams in order of first appearance."""
     per_stream: dict = {}
-    for e in events:
-        per_stream.setdefault(e.stream, []).append(e)
+    for stream, run in groupby(events, key=_STREAM):  # a log's events come in runs
+        per_stream.setdefault(stream, []).extend(run)
     return per_stream
 
 
