@@ -493,3 +493,26 @@ def test_diagram_is_generated_from_the_machine(side, capsys):
 def test_docs_embed_the_current_diagram():
     doc = (ROOT / "docs" / "lifecycle.md").read_text()
     assert lifecycle_markdown() in doc, "regenerate with: kvhandoff diagram >> docs/lifecycle.md"
+
+
+def test_events_merge_by_time_ties_to_the_earlier_stream_and_each_stream_keeps_its_order():
+    """`merge_by_time` is heapq.merge's order (ties: the stream seen first, then the event
+    written first), whether or not each stream's clock moved forward: a stream written out
+    of time order keeps its own order."""
+    import heapq
+
+    from kvhandoff.core.replay import merge_by_time
+
+    def stream_events(engine: str, side: Side, times: list[float]) -> list:
+        s = Stream(engine, side, 0)
+        return [PrefillStarted(f"r{i}", s, i, t) for i, t in enumerate(times)]
+
+    in_order = [stream_events("p", Side.P, [0.0, 1.0, 1.0, 2.0]),
+                stream_events("d", Side.D, [1.0, 1.0, 3.0]),
+                stream_events("q", Side.P, [0.5, 1.0])]
+    backwards = [*in_order, stream_events("late", Side.D, [2.5, 0.2, 1.0])]
+    for runs in (in_order, backwards):
+        interleaved = [e for i in range(4) for run in runs if i < len(run) for e in [run[i]]]
+        merged = merge_by_time(interleaved)
+        assert [(e.stream, e.seq) for e in merged] == [
+            (e.stream, e.seq) for e in heapq.merge(*runs, key=lambda e: e.t)]
