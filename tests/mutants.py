@@ -147,7 +147,7 @@ MUTANTS: tuple[Mutant, ...] = (
            "                 or t - rec.t_end > REMEMBER_LEASES * lease_s)]\n",
            "D forgets a request (its params reusable) while P may still hold it under a longer lease"),
     Mutant("replay_keeps_a_forgotten_free", "core/replay.py",
-           "                freed_at.pop((stream.engine, stream.rank, event.request_id), None)\n",
+           "                freed_at.pop((stream.engine, stream.rank, rid), None)\n",
            "                pass\n",
            "replay checks a re-used id's reads against the free of its earlier life"),
     Mutant("replay_drops_a_free_with_p_s_record", "core/replay.py",
